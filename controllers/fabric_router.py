@@ -1,0 +1,201 @@
+"""FabricRouter: routes a fabric proactively from its description (os-ken app).
+
+The lab hands the app the fabric description (JSON) at start, so nothing is
+learnt by flooding: each switch gets, as soon as it connects,
+  * a /32 rule per host of the subnets it owns (MACs rewritten like a router),
+  * a rule per other subnet towards its owner: one port, or an ECMP select
+    group over every equal-cost port,
+  * ARP to the controller, which answers from the description (proxy ARP).
+Nothing else matches, and the switches run in fail-mode secure: no flooding,
+no spanning tree, no loops.
+
+ECMP groups hash on the 5-tuple, UDP source port included. OVS's default
+select-group hash leaves UDP ports out (measured: every UDP flow on one
+bucket), and OpenFlow 1.3 cannot choose another, so the app speaks OpenFlow
+1.5 and attaches OVS's selection-method group property ("dp_hash": the
+datapath's 5-tuple hash).
+"""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import struct
+
+from os_ken import cfg
+from os_ken.base import app_manager
+from os_ken.controller import ofp_event
+from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
+from os_ken.lib.packet import arp, ethernet, packet
+from os_ken.ofproto import ether, ofproto_v1_5
+
+from controllers.routes import Deliver, Forward, arp_table, routes_for
+from topologies.fabric import Fabric
+
+cfg.CONF.register_cli_opts([
+    cfg.StrOpt("fabric-file", help="fabric description (JSON) written by the lab"),
+    cfg.StrOpt("status-file", help="the app appends the dpid of each programmed switch"),
+], group="fabriclab")
+
+# OVS's group property that selects the hash (an ONF-registered extension of
+# Netronome's, "NTR"); its payload is: pad(4) method name(16) method param(8).
+NTR_EXPERIMENTER_ID = 0x0000154D
+NTR_SELECTION_METHOD = 1
+ECMP_SELECTION_METHOD = b"dp_hash"
+
+PRIORITY_HOST = 300
+PRIORITY_SUBNET = 200
+PRIORITY_ARP = 100
+
+
+def logged(handler):
+    """os-ken's native hub takes any exception escaping a handler as a request
+    to stop the app's event loop, and stops it without a word: log it instead."""
+    @functools.wraps(handler)
+    def wrapper(self, ev):
+        try:
+            handler(self, ev)
+        except Exception:
+            self.logger.exception("%s failed", handler.__name__)
+    return wrapper
+
+
+def selection_method_property(parser, method: bytes):
+    payload = struct.pack("!I16sQ", 0, method, 0)
+    words = list(struct.unpack(f"!{len(payload) // 4}I", payload))
+    return parser.OFPGroupPropExperimenter(
+        type_=ofproto_v1_5.OFPGPT_EXPERIMENTER, experimenter=NTR_EXPERIMENTER_ID,
+        exp_type=NTR_SELECTION_METHOD, data=words)
+
+
+class FabricRouter(app_manager.OSKenApp):
+    OFP_VERSIONS = [ofproto_v1_5.OFP_VERSION]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        conf = cfg.CONF.fabriclab
+        if not conf.fabric_file:
+            raise SystemExit("FabricRouter needs --fabriclab-fabric-file")
+        self.fabric = Fabric.load(conf.fabric_file)
+        self.status_file = conf.status_file
+        self.routes = routes_for(self.fabric)
+        self.arp = arp_table(self.fabric)
+        self.subnets = [(ipaddress.ip_network(c), c) for c in self.arp]
+        self.by_dpid = {sw.dpid: sw.name for sw in self.fabric.switches}
+        self.pending_barrier: set[int] = set()
+
+    # --- one handler per OpenFlow event ------------------------------------------------
+    @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
+    @logged
+    def switch_features(self, ev):
+        dp = ev.msg.datapath
+        name = self.by_dpid.get(dp.id)
+        if name is None:
+            self.logger.warning("dpid %#x is not in the fabric; ignoring it", dp.id)
+            return
+        self.program(dp, name)
+
+    @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
+    @logged
+    def barrier_reply(self, ev):
+        dpid = ev.msg.datapath.id
+        if dpid in self.pending_barrier:
+            self.pending_barrier.discard(dpid)
+            self.logger.info("programmed %s (dpid %d)", self.by_dpid[dpid], dpid)
+            if self.status_file:
+                with open(self.status_file, "a") as f:
+                    f.write(f"{dpid}\n")
+
+    @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
+    @logged
+    def packet_in(self, ev):
+        msg = ev.msg
+        pkt = packet.Packet(msg.data)
+        req = pkt.get_protocol(arp.arp)
+        if req is None or req.opcode != arp.ARP_REQUEST:
+            return
+        mac = self.resolve(req.src_ip, req.dst_ip)
+        if mac is None:
+            return
+        self.send_arp_reply(msg.datapath, msg.match["in_port"], req, mac)
+
+    # --- programming ------------------------------------------------------------------
+    def program(self, dp, name: str) -> None:
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        dp.send_msg(parser.OFPFlowMod(dp, command=ofp.OFPFC_DELETE, table_id=ofp.OFPTT_ALL,
+                                      out_port=ofp.OFPP_ANY, out_group=ofp.OFPG_ANY))
+        dp.send_msg(parser.OFPGroupMod(dp, command=ofp.OFPGC_DELETE, group_id=ofp.OFPG_ALL))
+        groups: dict[tuple[int, ...], int] = {}
+        for route in self.routes[name]:
+            if isinstance(route, Deliver):
+                self.add_host_route(dp, route)
+            elif len(route.ports) == 1:
+                self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
+                              [parser.OFPActionDecNwTtl(),
+                               parser.OFPActionOutput(route.ports[0])])
+            else:
+                if route.ports not in groups:
+                    groups[route.ports] = len(groups) + 1
+                    self.add_ecmp_group(dp, groups[route.ports], route.ports)
+                self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
+                              [parser.OFPActionDecNwTtl(),
+                               parser.OFPActionGroup(groups[route.ports])])
+        self.add_flow(dp, PRIORITY_ARP, parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP),
+                      [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)])
+        self.pending_barrier.add(dp.id)
+        dp.send_msg(parser.OFPBarrierRequest(dp))
+
+    def add_host_route(self, dp, route: Deliver) -> None:
+        parser = dp.ofproto_parser
+        actions = [parser.OFPActionSetField(eth_dst=route.host_mac)]
+        if route.router_mac:   # routed: every switch is a hop, as in a /32 host-routed fabric
+            actions += [parser.OFPActionSetField(eth_src=route.router_mac),
+                        parser.OFPActionDecNwTtl()]
+        actions.append(parser.OFPActionOutput(route.port))
+        self.add_flow(dp, PRIORITY_HOST,
+                      parser.OFPMatch(eth_type=ether.ETH_TYPE_IP, ipv4_dst=route.ip), actions)
+
+    def add_ecmp_group(self, dp, group_id: int, ports: tuple[int, ...]) -> None:
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        buckets = [parser.OFPBucket(bucket_id=i, actions=[parser.OFPActionOutput(p)],
+                                    properties=[parser.OFPGroupBucketPropWeight(
+                                        type_=ofp.OFPGBPT_WEIGHT, weight=1)])
+                   for i, p in enumerate(ports)]
+        dp.send_msg(parser.OFPGroupMod(
+            dp, command=ofp.OFPGC_ADD, type_=ofp.OFPGT_SELECT, group_id=group_id,
+            buckets=buckets,
+            properties=[selection_method_property(parser, ECMP_SELECTION_METHOD)]))
+
+    @staticmethod
+    def subnet_match(parser, route: Forward):
+        net = ipaddress.ip_network(route.cidr)
+        return parser.OFPMatch(eth_type=ether.ETH_TYPE_IP,
+                               ipv4_dst=(str(net.network_address), str(net.netmask)))
+
+    @staticmethod
+    def add_flow(dp, priority: int, match, actions) -> None:
+        parser = dp.ofproto_parser
+        inst = [parser.OFPInstructionActions(dp.ofproto.OFPIT_APPLY_ACTIONS, actions)]
+        dp.send_msg(parser.OFPFlowMod(dp, priority=priority, match=match, instructions=inst))
+
+    # --- ARP ------------------------------------------------------------------------
+    def resolve(self, src_ip: str, dst_ip: str) -> str | None:
+        """The MAC a host at src_ip should learn for dst_ip: only within its own subnet."""
+        src = ipaddress.ip_address(src_ip)
+        for net, cidr in self.subnets:
+            if src in net:
+                return self.arp[cidr].get(dst_ip)
+        return None
+
+    @staticmethod
+    def send_arp_reply(dp, port: int, req, mac: str) -> None:
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        reply = packet.Packet()
+        reply.add_protocol(ethernet.ethernet(ethertype=ether.ETH_TYPE_ARP,
+                                             dst=req.src_mac, src=mac))
+        reply.add_protocol(arp.arp(opcode=arp.ARP_REPLY, src_mac=mac, src_ip=req.dst_ip,
+                                   dst_mac=req.src_mac, dst_ip=req.src_ip))
+        reply.serialize()
+        dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
+                                        match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
+                                        actions=[parser.OFPActionOutput(port)],
+                                        data=reply.data))

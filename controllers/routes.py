@@ -1,0 +1,90 @@
+"""Proactive L3 routes of a fabric, computed from its plain description.
+
+Pure functions (no OpenFlow): the controller app turns them into flows and
+groups, and tests check them without a network.
+
+Every switch delivers the hosts of the subnets it owns by /32 (rewriting the
+MACs as a router does) and forwards every other reachable subnet towards the
+switch that owns it, over all the ports that lie on a shortest path: when
+there are several, they form one ECMP set.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from topologies.fabric import Fabric
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Send a packet for `ip` out of `port` to the host itself."""
+    ip: str
+    host_mac: str
+    router_mac: str | None   # source MAC of routed packets; None in an L2 domain
+    port: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Send packets for `cidr` towards its owner over `ports` (ECMP if > 1)."""
+    cidr: str
+    ports: tuple[int, ...]
+
+
+def switch_graph(fabric: Fabric) -> dict[str, dict[str, list[int]]]:
+    """switch -> neighbour switch -> the local ports of the links between them."""
+    names = {sw.name for sw in fabric.switches}
+    graph: dict[str, dict[str, list[int]]] = {n: {} for n in names}
+    for ln in fabric.links:
+        if ln.a in names and ln.b in names:
+            graph[ln.a].setdefault(ln.b, []).append(ln.a_port)
+            graph[ln.b].setdefault(ln.a, []).append(ln.b_port)
+    return graph
+
+
+def hop_distances(graph: dict[str, dict[str, list[int]]], target: str) -> dict[str, int]:
+    dist = {target: 0}
+    queue = deque([target])
+    while queue:
+        node = queue.popleft()
+        for peer in graph[node]:
+            if peer not in dist:
+                dist[peer] = dist[node] + 1
+                queue.append(peer)
+    return dist
+
+
+def routes_for(fabric: Fabric) -> dict[str, list[Deliver | Forward]]:
+    """switch name -> its routes."""
+    graph = switch_graph(fabric)
+    routes: dict[str, list[Deliver | Forward]] = {sw.name: [] for sw in fabric.switches}
+    for subnet in fabric.subnets:
+        for host in fabric.hosts:
+            for intf in host.interfaces:
+                if intf.switch == subnet.switch and fabric.subnet_of(intf.ip) is subnet:
+                    routes[subnet.switch].append(
+                        Deliver(intf.ip, intf.mac, subnet.gateway_mac, intf.port))
+        if subnet.gateway_ip is None:
+            continue   # an L2 domain (scale-up): reachable only on its own switch
+        dist = hop_distances(graph, subnet.switch)
+        for sw, d in dist.items():
+            if d == 0:
+                continue
+            ports = sorted(p for peer, plist in graph[sw].items()
+                           if dist.get(peer) == d - 1 for p in plist)
+            routes[sw].append(Forward(subnet.cidr, tuple(ports)))
+    return routes
+
+
+def arp_table(fabric: Fabric) -> dict[str, dict[str, str]]:
+    """subnet cidr -> {ip: mac} of what a host in that subnet may ARP for:
+    its gateway and its subnet's other hosts."""
+    table: dict[str, dict[str, str]] = {sn.cidr: {} for sn in fabric.subnets}
+    for sn in fabric.subnets:
+        if sn.gateway_ip:
+            table[sn.cidr][sn.gateway_ip] = sn.gateway_mac
+    for host in fabric.hosts:
+        for intf in host.interfaces:
+            table[fabric.subnet_of(intf.ip).cidr][intf.ip] = intf.mac
+    return table

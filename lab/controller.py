@@ -1,0 +1,91 @@
+"""The controller process: started by the lab on loopback, stopped by PID."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lab import state
+from lab.errors import LabError
+from topologies.fabric import Fabric
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Controller:
+    """os-ken running controllers.fabric_router for one fabric."""
+
+    def __init__(self, fabric: Fabric, workdir: Path):
+        self.fabric = fabric
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.fabric_file = self.workdir / "fabric.json"
+        self.status_file = self.workdir / "controller.status"
+        self.log_file = self.workdir / "logs" / "controller.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.fabric.save(self.fabric_file)
+        self.status_file.write_text("")
+        marker = f"--status {self.status_file}"
+        cmd = [sys.executable, "-m", "controllers.launch", "--port", str(self.port),
+               "--fabric", str(self.fabric_file), "--status", str(self.status_file)]
+        with open(self.log_file, "w") as log:
+            # Its own session: a Ctrl-C in the terminal reaches the lab, which
+            # then stops the controller in order, after the switches.
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        state.record_process(self.proc.pid, marker, "controller")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise LabError(f"the controller did not listen on 127.0.0.1:{self.port} within "
+                       f"{timeout_s:.0f} s; see {self.log_file}")
+
+    def wait_programmed(self, timeout_s: float) -> None:
+        """Wait until the controller has programmed every switch (barrier-confirmed)."""
+        want = {sw.dpid for sw in self.fabric.switches}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            done = {int(x) for x in self.status_file.read_text().split()}
+            if want <= done:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(sw.name for sw in self.fabric.switches if sw.dpid not in done)
+                raise LabError(f"the controller did not program {len(missing)} switch(es) "
+                               f"({', '.join(missing[:5])}) within {timeout_s:.0f} s; "
+                               f"see {self.log_file}")
+            time.sleep(0.05)
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = self.log_file.read_text().strip().splitlines()[-3:]
+            raise LabError(f"the controller exited (code {self.proc.returncode}): "
+                           + " | ".join(tail) + f"; full log: {self.log_file}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

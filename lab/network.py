@@ -1,0 +1,121 @@
+"""A fabric, up and torn down: OVS, the controller, Mininet, kernel queues.
+
+    with FabricNetwork(topo, workdir) as net:
+        net.mininet["g0"].cmd("ping -c1 10.1.1.1")
+
+Teardown runs on success, on error, on Ctrl-C and on SIGTERM; it is itself
+shielded from a second Ctrl-C, and a final sweep removes any lab object that
+Mininet left behind.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from functools import partial
+from pathlib import Path
+
+from mininet.link import Link
+from mininet.log import setLogLevel
+from mininet.net import Mininet
+from mininet.node import OVSSwitch, RemoteController
+
+from lab import cleanup, ovs, queues, state
+from lab.controller import Controller
+from lab.errors import LabError
+from topologies.base import FabricTopo
+
+
+class Terminated(Exception):
+    """SIGTERM arrived; raised so that teardown runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+class FabricNetwork:
+    def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
+                 progress=print, verbose: bool = False):
+        self.topo = topo
+        self.fabric = topo.fabric
+        self.workdir = Path(workdir)
+        self.queue_params = queue_params or queues.QueueParams()
+        self.progress = progress
+        self.verbose = verbose
+        self.mininet: Mininet | None = None
+        self.controller: Controller | None = None
+        self.datapath: str | None = None
+        self.timings: dict[str, float] = {}
+        self._old_sigterm = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def __enter__(self) -> "FabricNetwork":
+        self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        stale = cleanup.leftovers()
+        if any(stale.values()):
+            found = cleanup.clean()
+            self.progress(f"removed leftovers of an earlier run: {_count(found)}")
+        self.datapath = ovs.ensure_running()
+        setLogLevel("info" if self.verbose else "warning")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.controller = Controller(self.fabric, self.workdir)
+        self.controller.start()
+        self.progress(f"building {self.fabric.summary()} (OVS {self.datapath} datapath)")
+        switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
+                         protocols="OpenFlow15", failMode="secure")
+        controller = partial(RemoteController, ip="127.0.0.1", port=self.controller.port)
+        self.mininet = Mininet(topo=self.topo, switch=switch, controller=controller,
+                               link=Link, autoSetMacs=False, autoStaticArp=False,
+                               build=False, waitConnected=False)
+        self.mininet.build()
+        for host in self.mininet.hosts:
+            state.record_process(host.pid, f"mininet:{host.name}", "host")
+        self.mininet.start()
+        self.timings["build_s"] = time.monotonic() - t0
+        queues.apply(self.fabric, {h.name: h.pid for h in self.mininet.hosts},
+                     self.queue_params)
+        self.controller.wait_programmed(timeout_s=30 + 0.2 * len(self.fabric.switches))
+        self.timings["ready_s"] = time.monotonic() - t0
+
+    def stop(self) -> None:
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a 2nd Ctrl-C must not cut teardown short
+        t0 = time.monotonic()
+        try:
+            if self.mininet is not None:
+                try:
+                    self.mininet.stop()
+                except Exception as e:   # the sweep below still removes what it left
+                    self.progress(f"warning: Mininet stop failed ({e}); sweeping")
+                self.mininet = None
+            if self.controller is not None:
+                self.controller.stop()
+                self.controller = None
+            cleanup.clean()
+        finally:
+            self.timings["teardown_s"] = time.monotonic() - t0
+            signal.signal(signal.SIGINT, old_int)
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+
+    # --- access -------------------------------------------------------------------------
+    def host_pid(self, name: str) -> int:
+        if self.mininet is None:
+            raise LabError("the fabric is not up")
+        return self.mininet[name].pid
+
+
+def _count(found: dict[str, list]) -> str:
+    return ", ".join(f"{len(v)} {k}" for k, v in found.items() if v)

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fabriclab",
+    version="0.1.0",
+    description="Packet-level emulation lab for AI-datacenter networking",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lab", "lab.*", "topologies", "topologies.*",
+                                    "controllers", "controllers.*", "traffic", "traffic.*"]),
+    # mininet is the distribution's package (python3 module + mnexec), seen
+    # through the venv's --system-site-packages; see vagrant/provision.sh.
+    install_requires=[
+        "os-ken>=4.2",
+        "scapy>=2.6",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={"console_scripts": ["fabriclab = lab.cli:main"]},
+)

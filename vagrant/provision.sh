@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs everything fabriclab needs, on Debian 12 / Ubuntu 24.04, as root.
+# Used by `make demo`, `make test` and the Vagrantfile. Idempotent: each step
+# checks first and skips what is already done.
+#   usage: vagrant/provision.sh [REPO_DIR]
+set -euo pipefail
+
+REPO="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
+VENV="$REPO/.venv"
+log() { printf '[provision] %s\n' "$*"; }
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "provision.sh must run as root (try: sudo make demo)" >&2
+    exit 2
+fi
+
+# Debian/Ubuntu packages. python3-venv gives the venv; mininet's python module
+# is the distribution's, so the venv is made with --system-site-packages.
+PACKAGES=(
+    python3 python3-venv python3-pip
+    mininet openvswitch-switch iperf3 libiperf0
+    tshark tcpdump ethtool iputils-ping net-tools bridge-utils
+    iproute2 nftables procps psmisc
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    log "installing packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # tshark asks whether non-root users may capture; the lab runs as root.
+    echo 'wireshark-common wireshark-common/install-setuid boolean false' | debconf-set-selections 2>/dev/null || true
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    log "packages: all present"
+fi
+
+# The virtualenv: distribution python (it sees the distribution's mininet module).
+stamp="$VENV/.provisioned"
+want="$(sha256sum "$REPO/setup.py" | cut -d' ' -f1)"
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtualenv $VENV"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    log "installing fabriclab and its Python dependencies into $VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q -e "$REPO[test]"
+    echo "$want" > "$stamp"
+else
+    log "virtualenv: up to date"
+fi
+
+# Open vSwitch: started, with the datapath this kernel supports.
+"$VENV/bin/fabriclab" ovs-start
+log "done. Try: sudo make demo"

@@ -8,36 +8,16 @@ loop, retrying the pairs still missing. The reply's TTL gives the hop count.
 """
 from __future__ import annotations
 
-import ctypes
-import os
 import select
 import socket
 import struct
 import time
 from dataclasses import dataclass
 
-CLONE_NEWNET = 0x40000000
+from lab.netns import socket_in_netns
+
 ICMP_ECHO_REQUEST, ICMP_ECHO_REPLY = 8, 0
 INITIAL_TTL = 64        # Linux's default, which the replying host uses
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def socket_in_netns(pid: int) -> socket.socket:
-    """A raw ICMP socket inside the network namespace of process `pid`."""
-    own = os.open("/proc/self/ns/net", os.O_RDONLY)
-    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-    try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into the namespace of pid {pid}")
-        try:
-            return socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-        finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back to the lab's namespace")
-    finally:
-        os.close(own)
-        os.close(target)
 
 
 def _checksum(data: bytes) -> int:
@@ -69,7 +49,8 @@ def probe(pairs: list[tuple[str, str, str]], host_pids: dict[str, int],
           tries: int = 3, timeout_s: float = 2.0, rate_pps: float = 20000) -> list[PairResult]:
     """pairs: (src host, dst host, dst ip). Returns one result per pair."""
     names = sorted({p[0] for p in pairs})
-    socks = {n: socket_in_netns(host_pids[n]) for n in names}
+    socks = {n: socket_in_netns(host_pids[n], socket.SOCK_RAW, socket.IPPROTO_ICMP)
+             for n in names}
     index = {n: i for i, n in enumerate(names)}
     results = [PairResult(s, d, ip) for s, d, ip in pairs]
     # (ident = source index, seq = pair index within the source) -> result

@@ -1,0 +1,184 @@
+"""fabriclab's command line (also `python -m lab`)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from lab.errors import LabError, UsageError
+from topologies.base import ParamError
+from topologies.registry import TOPOLOGIES, make_params
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _topology_options() -> dict[str, str]:
+    """option dest -> help, over every topology's parameters."""
+    opts: dict[str, list[str]] = {}
+    for kind, cls in TOPOLOGIES.items():
+        for f in dataclasses.fields(cls.Params):
+            opts.setdefault(f.name, []).append(kind)
+    return {name: "all topologies" if len(kinds) == len(TOPOLOGIES) else ", ".join(kinds)
+            for name, kinds in opts.items()}
+
+
+def add_topology_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("topology")
+    g.add_argument("--topology", "-t", default="leaf-spine", choices=list(TOPOLOGIES),
+                   help="fabric kind (default leaf-spine)")
+    for dest, kinds in _topology_options().items():
+        g.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
+                       metavar="N", help=f"({kinds})")
+
+
+def topology_from_args(args):
+    given = {k: getattr(args, k) for k in _topology_options() if getattr(args, k) is not None}
+    fields = {f.name for f in dataclasses.fields(TOPOLOGIES[args.topology].Params)}
+    for key in given:
+        if key not in fields:
+            raise UsageError(f"--{key.replace('_', '-')} does not apply to {args.topology} "
+                             f"(it applies to: {_topology_options()[key]})")
+    try:
+        params = make_params(args.topology, **given)
+    except ParamError as e:
+        raise UsageError(f"{e}") from None
+    return TOPOLOGIES[args.topology](params)
+
+
+# --- commands --------------------------------------------------------------------------
+def cmd_doctor(args) -> int:
+    from lab import doctor
+    caps = doctor.capabilities()
+    print(json.dumps(doctor.as_dict(caps), indent=1) if args.json else doctor.render(caps))
+    return 0 if doctor.can_run(caps) else 1
+
+
+def cmd_verify(args) -> int:
+    from lab import verify
+    from lab.network import FabricNetwork
+    from lab.state import RunLock
+    topo = topology_from_args(args)
+    with RunLock("fabriclab verify"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
+        with FabricNetwork(topo, Path(tmp), verbose=args.verbose) as net:
+            print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
+            pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
+            report = verify.measure(net.fabric, pids)
+        for line in report.lines():
+            print(line)
+        wrong = report.wrong_hops
+        if wrong:
+            p, r = wrong[0]
+            print(f"warning: {len(wrong)} pairs took a longer path than the shortest "
+                  f"(e.g. {p.src}->{p.dst}: {r.hops} hops, expected {p.expected_hops})")
+        print(f"built in {net.timings['build_s']:.1f} s, torn down in "
+              f"{net.timings['teardown_s']:.1f} s")
+    return 0 if report.reachable == len(report.pairs) else 1
+
+
+def cmd_up(args) -> int:
+    from mininet.cli import CLI
+
+    from lab.network import FabricNetwork
+    from lab.state import RunLock
+    topo = topology_from_args(args)
+    with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
+        with FabricNetwork(topo, Path(tmp), verbose=args.verbose) as net:
+            hosts = [h.name for h in net.fabric.hosts]
+            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; "
+                  f"try: {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}   (exit: Ctrl-D)")
+            CLI(net.mininet)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from lab import runner
+    for name, mod in sorted(runner.available().items()):
+        fields = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(mod.Params))
+        print(f"{name:16} {mod.DESCRIPTION}\n{'':16} --set {fields}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from lab import runner
+    progress = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+        return 0 if result["passed"] else 1
+    for c in result["claims"]:
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: measured "
+              f"{c['measured']}, expected {c['expected']}")
+    print(f"results: {workdir}/metrics.json")
+    return 0 if result["passed"] else 1
+
+
+def cmd_clean(args) -> int:
+    from lab import cleanup
+    from lab.state import RunLock
+    with RunLock("fabriclab clean"):
+        found = cleanup.clean()
+    total = sum(len(v) for v in found.values())
+    if not total:
+        print("nothing to clean: no lab objects on this machine")
+    for kind, items in found.items():
+        if items:
+            names = [i["role"] + f" pid {i['pid']}" if isinstance(i, dict) else i for i in items]
+            print(f"removed {len(items)} {kind}: {', '.join(names[:8])}"
+                  + (" ..." if len(names) > 8 else ""))
+    return 0
+
+
+def cmd_ovs_start(args) -> int:
+    from lab import ovs
+    kind = ovs.ensure_running()
+    print(f"Open vSwitch running ({kind} datapath)")
+    return 0
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="fabriclab", description="Packet-level emulation lab for AI-datacenter "
+                                             "networking.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    d = sub.add_parser("doctor", help="what this machine can do, and what is missing")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_doctor)
+    for name, func, text in (("verify", cmd_verify, "build a fabric, check all-pairs "
+                                                    "reachability, tear it down"),
+                             ("up", cmd_up, "build a fabric and open the Mininet CLI")):
+        s = sub.add_parser(name, help=text)
+        add_topology_args(s)
+        s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")
+        s.set_defaults(func=func)
+    sub.add_parser("list", help="the experiments").set_defaults(func=cmd_list)
+    r = sub.add_parser("run", help="run an experiment; results in results/NAME-TIME/")
+    r.add_argument("name")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="an experiment or topology parameter (repeatable)")
+    r.add_argument("--out", type=Path, help="results directory")
+    r.add_argument("--json", action="store_true", help="print metrics.json")
+    r.set_defaults(func=cmd_run)
+    sub.add_parser("clean", help="remove everything the lab created (and nothing else)"
+                   ).set_defaults(func=cmd_clean)
+    sub.add_parser("ovs-start", help="start Open vSwitch for the lab (used by provisioning)"
+                   ).set_defaults(func=cmd_ovs_start)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except LabError as e:
+        print(f"fabriclab: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fabriclab: interrupted; everything the lab built was torn down", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Experiments: one module each (see lab/runner.py for what a module holds)."""

@@ -1,0 +1,31 @@
+"""Sockets inside a host's network namespace, made from the lab's own process.
+
+setns() moves only the calling thread, and a socket stays in the namespace it
+was created in: so one process can hold sockets in every host of a fabric.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def socket_in_netns(pid: int, type_: int, proto: int = 0,
+                    family: int = socket.AF_INET) -> socket.socket:
+    """A socket inside the network namespace of process `pid` (a Mininet host's shell)."""
+    own = os.open("/proc/self/ns/net", os.O_RDONLY)
+    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the namespace of pid {pid}")
+        try:
+            return socket.socket(family, type_, proto)
+        finally:
+            if _libc.setns(own, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the lab's namespace")
+    finally:
+        os.close(own)
+        os.close(target)

@@ -1,0 +1,173 @@
+"""The experiment runner: parameters in, a results directory out.
+
+An experiment is a module in lab/experiments/ with
+    NAME, DESCRIPTION
+    Params                 a dataclass (its `topology` field picks the fabric)
+    run(ctx) -> dict       drives the fabric, returns measurements
+    claims(params, metrics) -> list[Claim]   physical claims checked from them
+The runner splits `--set key=value` between the experiment's and the
+topology's parameters, builds the fabric, runs, and writes
+    config.json   parameters, topology, rate scale, machine
+    fabric.json   the fabric description
+    metrics.json  parameters, measurements, claims (written atomically)
+    logs/         controller log
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pkgutil
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from lab import experiments as experiments_pkg
+from lab.errors import UsageError
+from lab.network import FabricNetwork
+from lab.state import RunLock
+from topologies.base import ParamError
+from topologies.registry import TOPOLOGIES, make_params
+
+RESULTS_DIR = Path("results")
+
+
+@dataclass
+class Claim:
+    name: str
+    passed: bool
+    measured: Any
+    expected: str
+
+
+@dataclass
+class RunContext:
+    """What an experiment's run() gets."""
+    net: FabricNetwork
+    params: Any
+    workdir: Path
+    progress: Callable[[str], None]
+
+    @property
+    def fabric(self):
+        return self.net.fabric
+
+
+def available() -> dict[str, Any]:
+    """experiment name -> module."""
+    mods = {}
+    for info in pkgutil.iter_modules(experiments_pkg.__path__):
+        mod = importlib.import_module(f"lab.experiments.{info.name}")
+        mods[mod.NAME] = mod
+    return mods
+
+
+def load(name: str):
+    mods = available()
+    if name not in mods:
+        raise UsageError(f"unknown experiment {name!r}; choose one of {', '.join(sorted(mods))} "
+                         f"(see 'fabriclab list')")
+    return mods[name]
+
+
+def _convert(value: str, ftype, key: str):
+    kind = ftype if isinstance(ftype, type) else {"int": int, "float": float, "str": str,
+                                                  "bool": bool}.get(str(ftype), str)
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return value.lower() in ("true", "1", "yes")
+        return kind(value)
+    except ValueError:
+        raise UsageError(f"--set {key}: expected {kind.__name__}, got {value!r}") from None
+
+
+def split_settings(mod, settings: list[str]):
+    """--set key=value strings -> (experiment params, topology params)."""
+    exp_fields = {f.name: f for f in dataclasses.fields(mod.Params)}
+    exp_values, topo_values = {}, {}
+    for item in settings:
+        if "=" not in item:
+            raise UsageError(f"--set takes key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key in exp_fields:
+            exp_values[key] = _convert(value, exp_fields[key].type, key)
+        else:
+            topo_values[key] = value
+    params = mod.Params(**exp_values)
+    if hasattr(params, "validate"):
+        params.validate()
+    if params.topology not in TOPOLOGIES:
+        raise UsageError(f"unknown topology {params.topology!r}; choose one of "
+                         f"{', '.join(TOPOLOGIES)}")
+    topo_fields = {f.name for f in dataclasses.fields(TOPOLOGIES[params.topology].Params)}
+    for key in topo_values:
+        if key not in topo_fields:
+            raise UsageError(f"unknown --set key {key!r}: experiment {mod.NAME} takes "
+                             f"{', '.join(exp_fields)}; topology {params.topology} takes "
+                             f"{', '.join(sorted(topo_fields))}")
+    try:
+        topo_params = make_params(params.topology, **topo_values)
+    except ParamError as e:
+        raise UsageError(str(e)) from None
+    return params, topo_params
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary file, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run(name: str, settings: list[str], out: Path | None = None,
+        progress: Callable[[str], None] = print) -> tuple[Path, dict]:
+    mod = load(name)
+    params, topo_params = split_settings(mod, settings)
+    topo = TOPOLOGIES[params.topology](topo_params)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    workdir = Path(out) if out else RESULTS_DIR / f"{name}-{stamp}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "experiment": name,
+        "params": dataclasses.asdict(params),
+        "topology": {"kind": params.topology, **dataclasses.asdict(topo_params)},
+        "rate_scale": {"factor": topo_params.rate_scale,
+                       "meaning": f"1 emulated Mb/s stands for {topo_params.rate_scale} "
+                                  f"real Mb/s"},
+        "fabric": topo.fabric.summary(),
+        "machine": {"host": platform.node(), "kernel": platform.release(),
+                    "cpus": os.cpu_count()},
+        "started": stamp,
+    }
+    write_json_atomic(workdir / "config.json", config)
+    t0 = time.monotonic()
+    with RunLock(f"fabriclab run {name}"):
+        with FabricNetwork(topo, workdir, progress=progress) as net:
+            config["datapath"] = net.datapath
+            write_json_atomic(workdir / "config.json", config)
+            progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
+            metrics = mod.run(RunContext(net, params, workdir, progress))
+        timings = dict(net.timings)
+    claims = mod.claims(params, metrics)
+    result = {
+        "experiment": name,
+        "params": config["params"],
+        "topology": config["topology"],
+        "rate_scale": config["rate_scale"],
+        "datapath": config.get("datapath"),
+        "metrics": metrics,
+        "claims": [dataclasses.asdict(c) for c in claims],
+        "passed": all(c.passed for c in claims),
+        "timings_s": {**timings, "total_s": time.monotonic() - t0},
+    }
+    write_json_atomic(workdir / "metrics.json", result)
+    return workdir, result

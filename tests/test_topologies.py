@@ -1,0 +1,80 @@
+"""Topology descriptions and routes, checked without building a network."""
+import ipaddress
+
+import pytest
+
+from controllers.routes import Deliver, Forward, routes_for
+from lab.queues import interface_name
+from topologies.base import ParamError
+from topologies.registry import build_topo, make_params
+
+
+@pytest.mark.parametrize("kind,kw,hosts,switches", [
+    ("leaf-spine", dict(spines=2, leaves=3, hosts_per_leaf=4), 12, 5),
+    ("rack", dict(racks=3, gpus_per_rack=4, spines=2), 12, 2 + 3 + 3),
+    ("fat-tree", dict(k=4), 16, 20),
+    ("fat-tree", dict(k=6), 54, 45),
+])
+def test_sizes_and_unique_addresses(kind, kw, hosts, switches):
+    f = build_topo(kind, **kw).fabric
+    assert len(f.hosts) == hosts and len(f.switches) == switches
+    ips = [i.ip for h in f.hosts for i in h.interfaces]
+    macs = [i.mac for h in f.hosts for i in h.interfaces]
+    assert len(set(ips)) == len(ips) and len(set(macs)) == len(macs)
+    assert len({s.dpid for s in f.switches}) == len(f.switches)
+    for h in f.hosts:          # every interface sits in the subnet of its own switch
+        for i in h.interfaces:
+            assert f.subnet_of(i.ip).switch == i.switch
+    for ln in f.links:         # Linux interface names have at most 15 characters
+        assert len(interface_name(ln.a, ln.a_port)) <= 15
+        assert len(interface_name(ln.b, ln.b_port)) <= 15
+
+
+def test_rack_has_fast_scaleup_links():
+    f = build_topo("rack", racks=2, gpus_per_rack=4).fabric
+    for h in f.hosts:
+        out, up = h.interface("scale-out"), h.interface("scale-up")
+        assert up.rate_mbps == pytest.approx(9 * out.rate_mbps)
+        assert f.switch(up.switch).role == "nvswitch"
+        assert ipaddress.ip_address(up.ip) in ipaddress.ip_network(f"10.2.{h.rack}.0/24")
+
+
+def test_leaf_uplinks_form_one_ecmp_set_per_remote_leaf():
+    f = build_topo("leaf-spine", spines=4, leaves=3, hosts_per_leaf=2).fabric
+    routes = routes_for(f)["fl-lf0"]
+    forwards = [r for r in routes if isinstance(r, Forward)]
+    delivers = [r for r in routes if isinstance(r, Deliver)]
+    assert len(forwards) == 2 and all(len(r.ports) == 4 for r in forwards)
+    assert len(delivers) == 2
+    spine = routes_for(f)["fl-sp0"]
+    assert all(isinstance(r, Forward) and len(r.ports) == 1 for r in spine)
+
+
+def test_fat_tree_ecmp_at_edge_and_aggregation():
+    f = build_topo("fat-tree", k=4).fabric
+    r = routes_for(f)
+    edge_fw = [x for x in r["fl-ed0"] if isinstance(x, Forward)]
+    assert len(edge_fw) == 7 and all(len(x.ports) == 2 for x in edge_fw)
+    agg = {x.cidr: x.ports for x in r["fl-ag0"] if isinstance(x, Forward)}
+    assert len(agg["10.1.1.0/24"]) == 1          # same pod: straight down
+    assert len(agg["10.1.2.0/24"]) == 2          # other pod: over both cores
+
+
+def test_oversubscription_follows_from_rates():
+    p = make_params("leaf-spine", spines=2, hosts_per_leaf=8, host_rate_mbps=100,
+                    fabric_rate_mbps=100)
+    assert p.oversubscription == 4.0
+
+
+@pytest.mark.parametrize("kind,kw,word", [
+    ("leaf-spine", dict(spines=0), "spines"),
+    ("leaf-spine", dict(host_rate_mbps=-5), "host_rate_mbps"),
+    ("fat-tree", dict(k=5), "k"),
+    ("leaf-spine", dict(k=4), "k"),
+    ("leaf-spine", dict(leaves="many"), "leaves"),
+    ("leaf-spine", dict(hosts_per_leaf=300), "hosts per switch"),
+    ("torus", {}, "torus"),
+])
+def test_bad_parameters_name_themselves(kind, kw, word):
+    with pytest.raises(ParamError, match=word):
+        build_topo(kind, **kw)

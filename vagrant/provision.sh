@@ -6,7 +6,8 @@
 set -euo pipefail
 
 REPO="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
-VENV="$REPO/.venv"
+# The venv may live outside the repo (Vagrant: shared folders handle symlinks badly).
+VENV="${FABRICLAB_VENV:-$REPO/.venv}"
 log() { printf '[provision] %s\n' "$*"; }
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -1,0 +1,134 @@
+"""Teardown, the lock, Ctrl-C, bad input, and cleanup that spares what is not the lab's."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+import gzip
+from pathlib import Path
+
+from conftest import FABRICLAB, REPO, fabriclab, requires_root
+from lab import cleanup
+from lab.network import FabricNetwork
+from lab.state import RunLock
+from topologies.registry import build_topo
+
+
+@pytest.mark.parametrize("args,word", [
+    (["verify", "-t", "torus"], "torus"),
+    (["verify", "--spines", "0"], "spines"),
+    (["verify", "--leaves", "-2"], "leaves"),
+    (["verify", "--host-rate-mbps", "0"], "host_rate_mbps"),
+    (["verify", "--k", "4"], "--k"),
+    (["verify", "-t", "fat-tree", "--k", "5"], "k must be even"),
+    (["run", "nope"], "nope"),
+    (["run", "reachability", "--set", "colour=blue"], "colour"),
+    (["run", "reachability", "--set", "tries=lots"], "tries"),
+    (["run", "reachability", "--set", "topology=ring"], "ring"),
+    (["run", "reachability", "--set", "spines=0"], "spines"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, word, tmp_path):
+    r = fabriclab(*args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and word in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "results").exists()
+
+
+@requires_root
+def test_teardown_after_success_and_after_failure(tmp_path):
+    topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=1)
+    with FabricNetwork(topo, tmp_path / "ok", progress=lambda m: None):
+        assert cleanup.lab_bridges() and cleanup.lab_links() and cleanup.live_processes()
+    assert not any(cleanup.leftovers().values())
+    with pytest.raises(RuntimeError):
+        with FabricNetwork(topo, tmp_path / "fail", progress=lambda m: None):
+            raise RuntimeError("an experiment failed")
+    assert not any(cleanup.leftovers().values())
+
+
+@requires_root
+@pytest.mark.parametrize("wait_for", ["building", "fabric ready"])
+def test_ctrl_c_tears_everything_down(wait_for):
+    proc = subprocess.Popen(FABRICLAB + ["verify", "--leaves", "4", "--hosts-per-leaf", "4"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if wait_for in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "torn down" in err
+    assert not any(cleanup.leftovers().values())
+
+
+@requires_root
+def test_a_second_run_is_refused_while_one_is_active():
+    with RunLock("a test holding the lab"):
+        r = fabriclab("verify")
+    assert r.returncode == 1
+    assert "another fabriclab run is active" in r.stderr and "a test holding the lab" in r.stderr
+    assert not any(cleanup.leftovers().values())
+
+
+@requires_root
+def test_clean_removes_lab_objects_and_spares_foreign_ones():
+    foreign_br, foreign_ns = "flannel-test0", "fl_foreign"   # look alike, are not the lab's
+    subprocess.run(["ovs-vsctl", "add-br", foreign_br, "--", "set", "bridge", foreign_br,
+                    "datapath_type=netdev"], check=True)
+    subprocess.run(["ip", "netns", "add", foreign_ns], check=True)
+    subprocess.run(["ip", "link", "add", "fl-lf9-eth1", "type", "veth", "peer", "name",
+                    "fl-tmp-peer"], check=True)          # a lab link left by a crash
+    subprocess.run(["ovs-vsctl", "add-br", "fl-sp9", "--", "set", "bridge", "fl-sp9",
+                    "datapath_type=netdev"], check=True)  # a lab bridge left by a crash
+    sleeper = subprocess.Popen(["sleep", "60"])           # a process the lab did not start
+    try:
+        r = fabriclab("clean")
+        assert r.returncode == 0, r.stderr
+        assert "fl-sp9" in r.stdout
+        assert not cleanup.lab_bridges() and not cleanup.lab_links()
+        bridges = subprocess.run(["ovs-vsctl", "list-br"], capture_output=True,
+                                 text=True).stdout.split()
+        assert foreign_br in bridges
+        assert foreign_ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        subprocess.run(["ovs-vsctl", "--if-exists", "del-br", foreign_br])
+        subprocess.run(["ip", "netns", "del", foreign_ns])
+
+
+def test_metrics_json_is_never_half_written(tmp_path, monkeypatch):
+    from lab import runner
+    path = tmp_path / "metrics.json"
+    runner.write_json_atomic(path, {"ok": 1})
+
+    def exploding_dump(obj, f, **kw):
+        f.write('{"half": ')
+        raise OSError("disk full")
+    monkeypatch.setattr(runner.json, "dump", exploding_dump)
+    with pytest.raises(OSError):
+        runner.write_json_atomic(path, {"ok": 2})
+    assert json.loads(path.read_text()) == {"ok": 1}
+
+
+@requires_root
+def test_doctor_reports_this_kernel():
+    r = fabriclab("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    caps = {c["name"]: c["available"] for c in d["capabilities"]}
+    assert d["can_run"] and caps["qdisc-htb"]
+    config = Path("/proc/config.gz")
+    if config.exists():   # the kernel's own word, independent of doctor's probe
+        text = gzip.decompress(config.read_bytes()).decode()
+        built = {line.split("=")[0] for line in text.splitlines() if line.endswith(("=y", "=m"))}
+        assert caps["qdisc-red"] == ("CONFIG_NET_SCH_RED" in built)
+        assert caps["qdisc-netem"] == ("CONFIG_NET_SCH_NETEM" in built)
+    assert d["ecn_mode_default"] == ("red" if caps["qdisc-red"] else "controller")

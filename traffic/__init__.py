@@ -1,0 +1,1 @@
+"""What crosses the fabric: packet layers, transports, collectives (to come)."""

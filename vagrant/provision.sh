@@ -48,7 +48,8 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing fabriclab and its Python dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -e "$REPO[test]"
+    # compat mode: the repo itself goes on sys.path, so new packages need no reinstall
+    "$VENV/bin/pip" install -q -e "$REPO[test]" --config-settings editable_mode=compat
     echo "$want" > "$stamp"
 else
     log "virtualenv: up to date"

@@ -1,0 +1,1 @@
+"""How the fabric is routed: controller apps (os-ken) and the pure route computation."""

@@ -85,6 +85,7 @@ def cmd_verify(args) -> int:
 
 def cmd_up(args) -> int:
     from mininet.cli import CLI
+    from mininet.log import setLogLevel
 
     from lab.network import FabricNetwork
     from lab.state import RunLock
@@ -94,6 +95,7 @@ def cmd_up(args) -> int:
             hosts = [h.name for h in net.fabric.hosts]
             print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; "
                   f"try: {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}   (exit: Ctrl-D)")
+            setLogLevel("info" if args.verbose else "output")   # the CLI prints at "output"
             CLI(net.mininet)
     return 0
 

@@ -93,3 +93,11 @@ def test_link_rates_are_real_kernel_queues(tmp_path):
     for out in (switch_side, host_side):
         assert "rate 50Mbit ceil 50Mbit" in out, out
     assert "bfifo" in host_side and "limit 100Kb" in host_side, host_side
+
+
+def test_up_opens_the_mininet_cli():
+    r = fabriclab("up", "-t", "fat-tree", "--k", "2",
+                  input="g0 ping -c1 -W2 10.1.1.1\npingall\n")
+    out = r.stdout + r.stderr   # Mininet's CLI writes through its logger, to stderr
+    assert r.returncode == 0, out
+    assert "1 received" in out and "Results: 0% dropped (2/2 received)" in out

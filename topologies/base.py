@@ -86,6 +86,13 @@ class FabricTopo(Topo):
         self._next_port[name] = 1
         return name
 
+    def add_leaf(self, index: int, spines: list[str], rate_mbps: float) -> str:
+        """A leaf switch with one uplink to every spine."""
+        leaf = self.add_switch("leaf", index)
+        for spine in spines:
+            self.add_fabric_link(leaf, spine, rate_mbps)
+        return leaf
+
     def add_subnet(self, switch: str, network: str, octet3: int) -> Subnet:
         if octet3 >= MAX_SUBNETS:
             raise ParamError(f"too many subnets for 10.x.S.0/24 addressing (max {MAX_SUBNETS})")

@@ -25,9 +25,7 @@ class LeafSpine(FabricTopo):
     def build(self, p: LeafSpineParams):
         spines = [self.add_switch("spine", s) for s in range(p.spines)]
         for l in range(p.leaves):
-            leaf = self.add_switch("leaf", l)
-            for spine in spines:
-                self.add_fabric_link(leaf, spine, p.fabric_rate_mbps)
+            leaf = self.add_leaf(l, spines, p.fabric_rate_mbps)
             subnet = self.add_subnet(leaf, "scale-out", l)
             for _ in range(p.hosts_per_leaf):
                 self.add_gpu(subnet, leaf, p.host_rate_mbps)

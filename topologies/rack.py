@@ -30,9 +30,7 @@ class Rack(FabricTopo):
     def build(self, p: RackParams):
         spines = [self.add_switch("spine", s) for s in range(p.spines)]
         for r in range(p.racks):
-            leaf = self.add_switch("leaf", r)
-            for spine in spines:
-                self.add_fabric_link(leaf, spine, p.fabric_rate_mbps)
+            leaf = self.add_leaf(r, spines, p.fabric_rate_mbps)
             nvswitch = self.add_switch("nvswitch", r)
             scaleout = self.add_subnet(leaf, "scale-out", r)
             scaleup = self.add_subnet(nvswitch, "scale-up", r)

@@ -1,0 +1,75 @@
+"""Protocol constants of the lab's packet layer: the one place they are written down.
+
+RoCE v2 values follow the InfiniBand Architecture Specification (IBA) vol. 1 and
+its Annex A17 (RoCE v2); PFC and PAUSE follow IEEE 802.1Qbb and 802.3 Annex 31B.
+The DSCP/priority plan is the lab's own, chosen to match common RoCE deployments.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+# --- RoCE v2 encapsulation -------------------------------------------------
+
+ROCE_V2_UDP_PORT = 4791   # IANA-assigned UDP destination port of RoCE v2
+
+
+class Opcode(IntEnum):
+    """BTH opcodes the lab sends: RC transport (IBA vol. 1) and the RoCE v2 CNP (Annex A17)."""
+    RDMA_WRITE_FIRST = 0x06
+    RDMA_WRITE_MIDDLE = 0x07
+    RDMA_WRITE_LAST = 0x08
+    RDMA_WRITE_LAST_WITH_IMMEDIATE = 0x09
+    RDMA_WRITE_ONLY = 0x0A
+    RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
+    ACKNOWLEDGE = 0x11
+    CNP = 0x81
+
+
+# Transport header sizes, in bytes.
+BTH_BYTES = 12     # Base Transport Header
+RETH_BYTES = 16    # RDMA Extended Transport Header: VA, R_Key, DMA length
+IMMDT_BYTES = 4    # Immediate Data
+AETH_BYTES = 4     # ACK Extended Transport Header: syndrome, MSN
+ICRC_BYTES = 4     # Invariant CRC, the last bytes of the UDP payload
+
+# The payload of every IB packet is padded to a multiple of this (BTH PadCnt).
+PAYLOAD_ALIGN_BYTES = 4
+
+PSN_MODULUS = 2 ** 24   # PSNs (and MSNs) are 24-bit and wrap
+
+
+class AethSyndrome(IntEnum):
+    """AETH syndrome byte: bits 6-5 select ACK/RNR/NAK, bits 4-0 qualify it."""
+    # ACK whose credit count is 0b11111, "invalid": this responder advertises no
+    # end-to-end credits, so the requester must not throttle on them.
+    ACK = 0x1F
+    NAK_PSN_SEQUENCE_ERROR = 0x60   # NAK (0b11) with code 0: out-of-order PSN
+
+
+DEFAULT_MTU_BYTES = 1024   # IB path MTU: payload bytes per packet, headers excluded
+
+# --- IP QoS ----------------------------------------------------------------
+
+DSCP_ROCE_DATA = 26        # RoCE data, ACKs and NAKs travel in this class...
+PRIORITY_ROCE_DATA = 3     # ...mapped to this lossless (PFC-protected) priority
+DSCP_CNP = 48              # congestion notifications jump the data queues...
+PRIORITY_CNP = 6           # ...on their own strict priority
+
+
+class Ecn(IntEnum):
+    """ECN codepoints, the low two bits of the IPv4 TOS byte (RFC 3168)."""
+    NOT_ECT = 0b00
+    ECT_1 = 0b01
+    ECT_0 = 0b10
+    CE = 0b11
+
+
+# --- PFC and 802.3x PAUSE (MAC Control frames) -----------------------------
+
+MAC_CONTROL_DST_MAC = "01:80:c2:00:00:01"   # reserved multicast, never forwarded by bridges
+MAC_CONTROL_ETHERTYPE = 0x8808
+MAC_CONTROL_OPCODE_PAUSE = 0x0001   # 802.3x: pause the whole link
+MAC_CONTROL_OPCODE_PFC = 0x0101     # 802.1Qbb class-based flow control: per priority
+PFC_PRIORITY_COUNT = 8
+PAUSE_QUANTUM_BIT_TIMES = 512       # one pause quantum lasts 512 bit times at link speed
+PAUSE_QUANTA_MAX = 0xFFFF           # pause_time fields are 16-bit

@@ -1,0 +1,269 @@
+"""Scapy layers and frame builders for the lab's RoCE v2, PFC and PAUSE traffic.
+
+scapy.contrib.roce already provides BTH (with the ICRC as a trailer computed at
+build time), AETH and the CNP layout, and binds UDP port 4791 to BTH and the
+ACKNOWLEDGE opcode to AETH. This module adds what RDMA WRITE needs: RETH and
+ImmDt, bound after BTH by opcode so raw frames dissect back into them.
+
+Builders return complete Ether frames as Scapy packets. Scapy builds only about
+a thousand RoCE frames a second (its ICRC code rebuilds the packet), so a traffic
+generator builds one frame per kind and stamps out the rest with FrameTemplate,
+which patches bytes, several hundred thousand a second.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from scapy.contrib import roce
+from scapy.contrib.mac_control import MACControlClassBasedFlowControl, MACControlPause
+from scapy.contrib.roce import AETH, BTH
+from scapy.fields import IntField, XIntField, XLongField
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Packet, Raw, bind_bottom_up
+
+from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA, ICRC_BYTES,
+                               MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, PAUSE_QUANTA_MAX,
+                               PAYLOAD_ALIGN_BYTES, PFC_PRIORITY_COUNT, PSN_MODULUS,
+                               ROCE_V2_UDP_PORT, AethSyndrome, Ecn, Opcode)
+
+
+class ImmDt(Packet):
+    """Immediate Data: 4 bytes handed to the responder's completion, not written to memory."""
+    name = "ImmDt"
+    fields_desc = [XIntField("imm", 0)]
+
+
+class RETH(Packet):
+    """RDMA Extended Transport Header: where the whole message lands in responder memory."""
+    name = "RETH"
+    fields_desc = [
+        XLongField("va", 0),        # virtual address of the first byte of the message
+        XIntField("rkey", 0),       # remote key authorizing access to that memory
+        IntField("dma_len", 0),     # length of the whole message, not of this packet
+    ]
+
+    def guess_payload_class(self, payload: bytes):
+        # Nothing in RETH says whether ImmDt follows; the opcode of the BTH below does.
+        bth = self.underlayer
+        if isinstance(bth, BTH) and bth.opcode == Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE:
+            return ImmDt
+        return super().guess_payload_class(payload)
+
+
+# The WRITE packets that open a message, the only ones carrying a RETH.
+_RETH_OPCODES = (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY,
+                 Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE)
+
+# Dissection only: RETH follows three different opcodes, so no one opcode could be
+# implied when building; the builders below always set the opcode themselves.
+for _op in _RETH_OPCODES:
+    bind_bottom_up(BTH, RETH, opcode=_op)
+bind_bottom_up(BTH, ImmDt, opcode=Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addressing of one direction of a RoCE v2 flow, Ethernet to UDP."""
+    src_mac: str = "02:00:00:00:00:01"
+    dst_mac: str = "02:00:00:00:00:02"
+    src_ip: str = "10.0.0.1"
+    dst_ip: str = "10.0.0.2"
+    # RoCE v2 leaves the UDP source port free as flow entropy for ECMP hashing;
+    # NICs pick it from the dynamic range.
+    src_port: int = 0xC000
+
+
+DEFAULT_ENDPOINTS = Endpoints()
+
+
+def _roce_udp(ep: Endpoints, dscp: int, ecn: Ecn) -> Packet:
+    """Ether/IPv4/UDP headers of a RoCE v2 frame, to put a BTH on."""
+    return (Ether(src=ep.src_mac, dst=ep.dst_mac)
+            / IP(src=ep.src_ip, dst=ep.dst_ip, tos=dscp << 2 | ecn, flags="DF")
+            # The ICRC protects the payload end to end, so RoCE v2 over IPv4 sends
+            # no UDP checksum (zero, as NICs do); it also keeps FrameTemplate cheap.
+            / UDP(sport=ep.src_port, dport=ROCE_V2_UDP_PORT, chksum=0))
+
+
+def _write_opcodes(segments: int, with_imm: bool) -> list[Opcode]:
+    """Opcode of each packet of an RDMA WRITE message of `segments` packets."""
+    if segments == 1:
+        return [Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_ONLY]
+    last = Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_LAST
+    return [Opcode.RDMA_WRITE_FIRST] + [Opcode.RDMA_WRITE_MIDDLE] * (segments - 2) + [last]
+
+
+def rc_write_packets(message: bytes, *, dst_qp: int, psn: int, va: int, rkey: int,
+                     imm: int | None = None, mtu: int = DEFAULT_MTU_BYTES,
+                     endpoints: Endpoints = DEFAULT_ENDPOINTS) -> list[Packet]:
+    """One RC RDMA WRITE of `message` to `va`, segmented at `mtu`: FIRST/MIDDLE.../LAST or ONLY.
+
+    Packets take consecutive PSNs from `psn` (mod 2**24). With `imm`, the last
+    packet is the WITH_IMMEDIATE variant carrying it. The last packet asks for an
+    ACK, as a requester does once per message.
+    """
+    if mtu <= 0 or mtu % PAYLOAD_ALIGN_BYTES:
+        raise ValueError(f"MTU must be a positive multiple of {PAYLOAD_ALIGN_BYTES}, got {mtu}")
+    # An empty message is still one WRITE ONLY packet.
+    chunks = [message[i:i + mtu] for i in range(0, len(message), mtu)] or [b""]
+    opcodes = _write_opcodes(len(chunks), imm is not None)
+    frames = []
+    for i, (opcode, chunk) in enumerate(zip(opcodes, chunks)):
+        last = i == len(chunks) - 1
+        pad = -len(chunk) % PAYLOAD_ALIGN_BYTES   # only the last chunk can be short
+        pkt = _roce_udp(endpoints, DSCP_ROCE_DATA, Ecn.ECT_0) / BTH(
+            opcode=opcode, dqpn=dst_qp, psn=(psn + i) % PSN_MODULUS, padcount=pad, ackreq=last)
+        if opcode in _RETH_OPCODES:
+            pkt /= RETH(va=va, rkey=rkey, dma_len=len(message))
+        if imm is not None and last:
+            pkt /= ImmDt(imm=imm)
+        if chunk:
+            pkt /= Raw(chunk + bytes(pad))
+        frames.append(pkt)
+    return frames
+
+
+def _aeth_frame(syndrome: AethSyndrome, psn: int, msn: int, dst_qp: int,
+                endpoints: Endpoints) -> Packet:
+    # Responses ride the data class so they are not reordered against it, but are
+    # not ECN-capable: congestion is signalled on the data path only.
+    return (_roce_udp(endpoints, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+            / BTH(opcode=Opcode.ACKNOWLEDGE, dqpn=dst_qp, psn=psn % PSN_MODULUS)
+            / AETH(syndrome=syndrome, msn=msn % PSN_MODULUS))
+
+
+def ack(psn: int, msn: int, *, dst_qp: int = 0,
+        endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """ACK of every packet up to `psn`; `msn` counts the messages completed."""
+    return _aeth_frame(AethSyndrome.ACK, psn, msn, dst_qp, endpoints)
+
+
+def nak_seq_error(psn: int, msn: int, *, dst_qp: int = 0,
+                  endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """NAK for a PSN gap: `psn` is the one the responder expected; the requester resends from it."""
+    return _aeth_frame(AethSyndrome.NAK_PSN_SEQUENCE_ERROR, psn, msn, dst_qp, endpoints)
+
+
+def cnp(dst_qp: int, *, endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """Congestion Notification Packet telling the sender of QP `dst_qp` to slow down (DCQCN)."""
+    return _roce_udp(endpoints, DSCP_CNP, Ecn.NOT_ECT) / roce.cnp(dst_qp)
+
+
+def pfc_pause(quanta: Mapping[int, int], *, src_mac: str = DEFAULT_ENDPOINTS.src_mac) -> Packet:
+    """PFC frame pausing each priority in `quanta` for its number of 512-bit-time quanta."""
+    fields = {}
+    for prio, q in quanta.items():
+        if not 0 <= prio < PFC_PRIORITY_COUNT:
+            raise ValueError(f"PFC priority must be 0..{PFC_PRIORITY_COUNT - 1}, got {prio}")
+        if not 0 <= q <= PAUSE_QUANTA_MAX:
+            raise ValueError(f"pause quanta must be 0..{PAUSE_QUANTA_MAX}, got {q}")
+        fields[f"c{prio}_enabled"] = 1
+        fields[f"c{prio}_pause_time"] = q
+    # Scapy's MAC Control layers pad the frame to the 64-byte minimum themselves.
+    return (Ether(dst=MAC_CONTROL_DST_MAC, src=src_mac, type=MAC_CONTROL_ETHERTYPE)
+            / MACControlClassBasedFlowControl(**fields))
+
+
+def pfc_resume(priorities: Iterable[int], *, src_mac: str = DEFAULT_ENDPOINTS.src_mac) -> Packet:
+    """PFC frame resuming `priorities` at once: enabled with a pause time of zero."""
+    return pfc_pause(dict.fromkeys(priorities, 0), src_mac=src_mac)
+
+
+def pause_8023x(quanta: int, *, src_mac: str = DEFAULT_ENDPOINTS.src_mac) -> Packet:
+    """802.3x PAUSE: stops the whole link, every priority, for `quanta` (0 resumes)."""
+    if not 0 <= quanta <= PAUSE_QUANTA_MAX:
+        raise ValueError(f"pause quanta must be 0..{PAUSE_QUANTA_MAX}, got {quanta}")
+    return (Ether(dst=MAC_CONTROL_DST_MAC, src=src_mac, type=MAC_CONTROL_ETHERTYPE)
+            / MACControlPause(pause_time=quanta))
+
+
+def _ipv4_checksum(header: bytes | bytearray) -> int:
+    """RFC 791 header checksum of `header`, whose checksum field must be zero."""
+    total = sum(struct.unpack(f"!{len(header) // 2}H", header))
+    while total > 0xFFFF:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+class FrameTemplate:
+    """A Scapy-built RoCE v2 / IPv4 frame re-stamped as bytes with new per-packet fields.
+
+    build() writes the PSN, UDP source port, IP identification and (for frames
+    with a RETH) the VA, then repairs the IPv4 header checksum and the ICRC. The
+    result is byte for byte what Scapy builds for the same field values.
+
+    The ICRC (IBA Annex A17) is the CRC-32 of a pseudo-packet: 8 bytes of 0xFF
+    standing in for the IB LRH, then IP header, UDP header, BTH and the rest of
+    the payload, with the fields that routers may rewrite masked to all ones:
+    IPv4 TOS (DSCP and ECN), TTL and header checksum, the UDP checksum, and the
+    BTH byte holding FECN, BECN and the 6 reserved bits. The template keeps that
+    pseudo-packet as a second buffer whose masked bytes are never written, so
+    each build patches both buffers and runs one zlib.crc32 over the second.
+    """
+
+    _PSN = struct.Struct("!I")        # BTH last word: AckReq, 7 reserved bits, 24-bit PSN
+    _U16 = struct.Struct("!H")
+    _U64 = struct.Struct("!Q")
+    _ICRC = struct.Struct("<I")       # the ICRC goes on the wire least significant byte first
+
+    def __init__(self, frame: Packet):
+        if IP not in frame or BTH not in frame:
+            raise ValueError("FrameTemplate needs a RoCE v2 frame over IPv4")
+        wire = bytes(frame)
+        ip = len(wire) - len(frame[IP])
+        ihl_bytes = (wire[ip] & 0x0F) * 4
+        ip_end = ip + self._U16.unpack_from(wire, ip + 2)[0]   # Ethernet padding excluded
+        udp = ip + ihl_bytes
+        bth = udp + 8
+        self._frame = bytearray(wire)
+        self._icrc = ip_end - ICRC_BYTES
+        self._ip_header = slice(ip, udp)
+        # Offsets of the patched fields in the frame; each sits at its offset
+        # + self._shift in the pseudo-packet, which starts 8 bytes before the IP header.
+        self._ip_id = ip + 4
+        self._ip_checksum = ip + 10
+        self._src_port = udp
+        self._psn_word = bth + 8
+        self._reth = bth + 12 if RETH in frame else None
+        self._shift = 8 - ip
+
+        pseudo = bytearray(b"\xff" * 8 + wire[ip:self._icrc])
+        for offset, size in ((ip + 1, 1),      # TOS
+                             (ip + 8, 1),      # TTL
+                             (ip + 10, 2),     # IPv4 header checksum
+                             (udp + 6, 2),     # UDP checksum
+                             (bth + 4, 1)):    # FECN, BECN, reserved
+            pseudo[offset + self._shift:offset + self._shift + size] = b"\xff" * size
+        self._pseudo = pseudo
+
+        # Defaults for build(): the template's own values.
+        self._ackreq_bits = wire[self._psn_word] << 24   # AckReq and 7 reserved bits, kept
+        self.src_port = frame[UDP].sport
+        self.ip_id = frame[IP].id
+        self.va = frame[RETH].va if self._reth is not None else None
+
+    def _patch(self, fmt: struct.Struct, offset: int, value: int) -> None:
+        """Write a field covered by the ICRC into the frame and the pseudo-packet."""
+        fmt.pack_into(self._frame, offset, value)
+        fmt.pack_into(self._pseudo, offset + self._shift, value)
+
+    def build(self, psn: int, src_port: int | None = None, ip_id: int | None = None,
+              va: int | None = None) -> bytes:
+        """The frame with these fields (PSN taken mod 2**24); None keeps the template's value."""
+        frame = self._frame
+        self._patch(self._PSN, self._psn_word, self._ackreq_bits | psn % PSN_MODULUS)
+        self._patch(self._U16, self._src_port, self.src_port if src_port is None else src_port)
+        self._patch(self._U16, self._ip_id, self.ip_id if ip_id is None else ip_id)
+        if self._reth is not None:
+            self._patch(self._U64, self._reth, self.va if va is None else va)
+        elif va is not None:
+            raise ValueError("this frame has no RETH to carry a VA")
+
+        self._U16.pack_into(frame, self._ip_checksum, 0)
+        self._U16.pack_into(frame, self._ip_checksum, _ipv4_checksum(frame[self._ip_header]))
+        self._ICRC.pack_into(frame, self._icrc, zlib.crc32(self._pseudo))
+        return bytes(frame)

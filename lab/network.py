@@ -9,11 +9,13 @@ Mininet left behind.
 """
 from __future__ import annotations
 
+import codecs
 import signal
 import time
 from functools import partial
 from pathlib import Path
 
+import mininet.node
 from mininet.link import Link
 from mininet.log import setLogLevel
 from mininet.net import Mininet
@@ -23,6 +25,12 @@ from lab import cleanup, ovs, queues, state
 from lab.controller import Controller
 from lab.errors import LabError
 from topologies.base import FabricTopo
+
+# Mininet decodes its host shells' terminal output as strict UTF-8; a stray
+# non-UTF-8 byte there (seen intermittently in CI) raised inside Mininet and
+# aborted the whole run. Replace such bytes instead.
+mininet.node.getincrementaldecoder = \
+    lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 class Terminated(Exception):

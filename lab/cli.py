@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lab.errors import LabError, UsageError
+from lab.errors import LabError, Terminated, UsageError
 from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
@@ -184,3 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fabriclab: interrupted; everything the lab built was torn down", file=sys.stderr)
         return 130
+    except Terminated:
+        print("fabriclab: terminated; everything the lab built was torn down", file=sys.stderr)
+        return 143

@@ -9,3 +9,8 @@ class LabError(Exception):
 class UsageError(LabError):
     """Bad input: the message names the parameter."""
     exit_code = 2
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; raised so that teardown runs as for Ctrl-C. A BaseException,
+    like KeyboardInterrupt, so that no `except Exception` in Mininet swallows it."""

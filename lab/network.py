@@ -23,7 +23,7 @@ from mininet.node import OVSSwitch, RemoteController
 
 from lab import cleanup, ovs, queues, state
 from lab.controller import Controller
-from lab.errors import LabError
+from lab.errors import LabError, Terminated
 from topologies.base import FabricTopo
 
 # Mininet decodes its host shells' terminal output as strict UTF-8; a stray
@@ -31,10 +31,6 @@ from topologies.base import FabricTopo
 # aborted the whole run. Replace such bytes instead.
 mininet.node.getincrementaldecoder = \
     lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-
-class Terminated(Exception):
-    """SIGTERM arrived; raised so that teardown runs as for Ctrl-C."""
 
 
 def _raise_terminated(signum, frame):

@@ -51,17 +51,18 @@ def test_teardown_after_success_and_after_failure(tmp_path):
 
 
 @requires_root
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("wait_for", ["building", "fabric ready"])
-def test_ctrl_c_tears_everything_down(wait_for):
+def test_ctrl_c_or_sigterm_tears_everything_down(wait_for, sig, code):
     proc = subprocess.Popen(FABRICLAB + ["verify", "--leaves", "4", "--hosts-per-leaf", "4"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if wait_for in line:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert "torn down" in err
     assert not any(cleanup.leftovers().values())
 

@@ -7,11 +7,13 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["lab", "lab.*", "topologies", "topologies.*",
                                     "controllers", "controllers.*", "traffic", "traffic.*"]),
+    package_data={"traffic": ["wireshark/*.lua"]},
     # mininet is the distribution's package (python3 module + mnexec), seen
     # through the venv's --system-site-packages; see vagrant/provision.sh.
     install_requires=[
         "os-ken>=4.2",
         "scapy>=2.6",
+        "numpy>=1.24",
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["fabriclab = lab.cli:main"]},

@@ -138,6 +138,66 @@ def cmd_clean(args) -> int:
     return 0
 
 
+def cmd_samples(args) -> int:
+    from traffic.samples import WIRESHARK_LUA, write_samples
+    try:
+        samples = write_samples(args.out)
+    except OSError as e:
+        raise LabError(f"cannot write {args.out}: {e.strerror or e}") from None
+    for number, (description, _) in enumerate(samples, start=1):
+        print(f"{number:3}  {description}")
+    print(f"wrote {len(samples)} frames to {args.out}; open it with the lab's Lua dissector "
+          f"to see the MRC fields:\n"
+          f"  wireshark -X lua_script:{WIRESHARK_LUA} {args.out}\n"
+          f"(or copy {WIRESHARK_LUA.name} into ~/.local/lib/wireshark/plugins/ to load it always)")
+    return 0
+
+
+def _values(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--values takes numbers separated by commas, got {text!r}") from None
+    if len(values) < 2:
+        raise UsageError("--values needs at least two values (one per GPU host)")
+    return values
+
+
+def cmd_allreduce(args) -> int:
+    import numpy as np
+
+    from lab import allreduce
+    from lab.network import FabricNetwork
+    from lab.state import RunLock
+    if args.values is None and args.size_mb is None:
+        raise UsageError("give --values V1,V2,... or --size-mb MB")
+    if args.values is not None:
+        tensors = [np.array([v], np.float32) for v in _values(args.values)]
+    else:
+        if args.size_mb <= 0 or args.gpus < 2:
+            raise UsageError("--size-mb must be positive and --gpus at least 2")
+        rng = np.random.default_rng(args.seed)
+        elems = max(1, int(args.size_mb * 1e6 / 4))
+        tensors = [rng.standard_normal(elems).astype(np.float32) for _ in range(args.gpus)]
+    topo = allreduce.fabric_for(len(tensors))
+    with RunLock("fabriclab allreduce"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
+        with FabricNetwork(topo, Path(tmp)) as net:
+            print(f"all-reduce ({args.algorithm}, {args.transport}) of "
+                  f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
+            m = allreduce.run(net, tensors, args.transport)
+    for host, value, result, err in zip(m["hosts"], tensors, m["results"], m["per_host_error"]):
+        if args.values is not None:
+            print(f"  {host}: {value[0]:g} -> {result[0]:g}")
+        else:
+            print(f"  {host}: max |result - numpy mean| = {err:.2e}")
+    verdict = "every host agrees with" if m["agree"] else "HOSTS DISAGREE with"
+    print(f"{verdict} the numpy mean (max error {m['max_abs_error']:.2e})")
+    print(f"time {m['time_s'] * 1000:.1f} ms  algbw {m['algbw_mbps']:.2f} Mb/s  busbw "
+          f"{m['busbw_mbps']:.2f} Mb/s ({m['busbw_over_link']:.0%} of the "
+          f"{m['link_rate_mbps']:.0f} Mb/s link)  retransmitted {m['retransmitted_packets']}")
+    return 0 if m["agree"] else 1
+
+
 def cmd_ovs_start(args) -> int:
     from lab import ovs
     kind = ovs.ensure_running()
@@ -169,6 +229,18 @@ def build_parser() -> Parser:
     r.set_defaults(func=cmd_run)
     sub.add_parser("clean", help="remove everything the lab created (and nothing else)"
                    ).set_defaults(func=cmd_clean)
+    a = sub.add_parser("allreduce", help="all-reduce values over a small fabric; every host "
+                                         "prints its result")
+    a.add_argument("--values", help="one value per GPU host, e.g. 0.7,0.9,0.6,0.8")
+    a.add_argument("--size-mb", type=float, help="all-reduce random float32 tensors of this size")
+    a.add_argument("--gpus", type=int, default=4, help="GPU hosts with --size-mb (default 4)")
+    a.add_argument("--transport", choices=["rc", "mrc"], default="rc")
+    a.add_argument("--algorithm", choices=["ring"], default="ring")
+    a.add_argument("--seed", type=int, default=1)
+    a.set_defaults(func=cmd_allreduce)
+    sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
+    sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")
+    sm.set_defaults(func=cmd_samples)
     sub.add_parser("ovs-start", help="start Open vSwitch for the lab (used by provisioning)"
                    ).set_defaults(func=cmd_ovs_start)
     return p

@@ -2,7 +2,8 @@
 
 RoCE v2 values follow the InfiniBand Architecture Specification (IBA) vol. 1 and
 its Annex A17 (RoCE v2); PFC and PAUSE follow IEEE 802.1Qbb and 802.3 Annex 31B.
-The DSCP/priority plan is the lab's own, chosen to match common RoCE deployments.
+The DSCP/priority plan is the lab's own, chosen to match common RoCE deployments;
+so is MRC, a multipath transport carried in RoCE v2 frames (see traffic/packets.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ ROCE_V2_UDP_PORT = 4791   # IANA-assigned UDP destination port of RoCE v2
 
 
 class Opcode(IntEnum):
-    """BTH opcodes the lab sends: RC transport (IBA vol. 1) and the RoCE v2 CNP (Annex A17)."""
+    """BTH opcodes the lab sends: RC transport (IBA vol. 1), the RoCE v2 CNP (Annex A17)
+    and the lab's MRC selective ACK."""
     RDMA_WRITE_FIRST = 0x06
     RDMA_WRITE_MIDDLE = 0x07
     RDMA_WRITE_LAST = 0x08
@@ -23,6 +25,9 @@ class Opcode(IntEnum):
     RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
     ACKNOWLEDGE = 0x11
     CNP = 0x81
+    # IBA reserves 0xC0-0xFF for manufacturer-specific opcodes: the lab takes one
+    # for its SACK, so no standard RoCE stack mistakes it for one of its own.
+    MRC_SACK = 0xC1
 
 
 # Transport header sizes, in bytes.
@@ -47,6 +52,27 @@ class AethSyndrome(IntEnum):
 
 
 DEFAULT_MTU_BYTES = 1024   # IB path MTU: payload bytes per packet, headers excluded
+
+
+# --- MRC (Multipath Reliable Connection): the lab's convention -----------
+
+# Data: RDMA WRITE ONLY WITH IMMEDIATE, one per packet, each sprayed on its own
+# UDP source port (the entropy value, EV) with a RETH for its own bytes, so the
+# receiver places packets in any order. Its immediate is not application data
+# but (message id << 16) | packets in the message: the receiver counts packets
+# to know when a message is complete.
+MRC_IMM_COUNT_BITS = 16               # low half: packets in the message
+MRC_MESSAGE_ID_MODULUS = 2 ** 16      # high half: the message id
+MRC_MAX_PACKETS_PER_MESSAGE = 2 ** MRC_IMM_COUNT_BITS - 1
+
+# SACK: a BTH with opcode MRC_SACK (PSN = cumulative ACK, the next PSN expected)
+# then the 16-byte SACKX header: bitmap (64 bits; bit i set when PSN psn+1+i has
+# arrived), EV (16, the UDP source port of the packet that triggered it),
+# flags (8), reserved (8), credit PSN (32 bits, a 24-bit PSN in the low bits:
+# the sender may send the PSNs below it).
+MRC_SACKX_BYTES = 16
+MRC_SACK_BITMAP_BITS = 64
+MRC_SACK_FLAG_ECN_ECHO = 0x01         # the triggering packet arrived CE-marked
 
 # --- IP QoS ----------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 scapy.contrib.roce already provides BTH (with the ICRC as a trailer computed at
 build time), AETH and the CNP layout, and binds UDP port 4791 to BTH and the
 ACKNOWLEDGE opcode to AETH. This module adds what RDMA WRITE needs: RETH and
-ImmDt, bound after BTH by opcode so raw frames dissect back into them.
+ImmDt, bound after BTH by opcode so raw frames dissect back into them, and the
+lab's MRC convention: data packets and the SACK with its SACKX header (see the
+MRC section below; traffic/wireshark/fabriclab_mrc.lua shows both in Wireshark).
 
 Builders return complete Ether frames as Scapy packets. Scapy builds only about
 a thousand RoCE frames a second (its ICRC code rebuilds the packet), so a traffic
@@ -15,18 +17,20 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scapy.contrib import roce
 from scapy.contrib.mac_control import MACControlClassBasedFlowControl, MACControlPause
 from scapy.contrib.roce import AETH, BTH
-from scapy.fields import IntField, XIntField, XLongField
+from scapy.fields import ByteField, FlagsField, IntField, ShortField, XIntField, XLongField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw, bind_bottom_up
 
 from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA, ICRC_BYTES,
-                               MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, PAUSE_QUANTA_MAX,
+                               MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, MRC_IMM_COUNT_BITS,
+                               MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
+                               MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, PAUSE_QUANTA_MAX,
                                PAYLOAD_ALIGN_BYTES, PFC_PRIORITY_COUNT, PSN_MODULUS,
                                ROCE_V2_UDP_PORT, AethSyndrome, Ecn, Opcode)
 
@@ -179,6 +183,113 @@ def pause_8023x(quanta: int, *, src_mac: str = DEFAULT_ENDPOINTS.src_mac) -> Pac
         raise ValueError(f"pause quanta must be 0..{PAUSE_QUANTA_MAX}, got {quanta}")
     return (Ether(dst=MAC_CONTROL_DST_MAC, src=src_mac, type=MAC_CONTROL_ETHERTYPE)
             / MACControlPause(pause_time=quanta))
+
+
+# --- MRC (Multipath Reliable Connection) -----------------------------------
+#
+# The lab's multipath transport rides RoCE v2 frames, so switches, tshark and Scapy
+# handle it unchanged. The lab's own parts: what the data packets' immediate means,
+# and the SACK, a manufacturer-specific opcode with its SACKX extension header.
+#
+# Data: an RDMA WRITE ONLY WITH IMMEDIATE per packet, ECT(0), no AckReq:
+#   Ether / IPv4 (DSCP 26, ECT(0)) / UDP (sport = EV, dport 4791) / BTH (0x0B)
+#   / RETH (va of THIS packet's bytes, rkey, dma_len = this packet's payload)
+#   / ImmDt (message id << 16 | packets in the message) / payload / ICRC
+# Each packet takes its own UDP source port, the entropy value (EV), so ECMP
+# spreads a message over paths; its RETH makes it placeable in any order.
+#
+# SACK: Ether / IPv4 (DSCP 26, Not-ECT) / UDP (a fixed sport, dport 4791)
+#   / BTH (opcode 0xC1, dqpn = the data sender's QP, psn = cumulative ACK)
+#   / SACKX (16 bytes, below) / ICRC
+# The ICRC covers the SACKX like any header after the BTH.
+
+
+class MrcSack(Packet):
+    """SACKX: what arrived past the cumulative ACK (the BTH PSN), and the sender's credit.
+
+    Byte layout, big-endian like every IB header:
+      0-7    bitmap      bit i (least significant = 0) set: PSN cum_psn + 1 + i arrived
+      8-9    ev          UDP source port of the data packet that triggered this SACK
+      10     flags       bit 0: ECN echo, that packet arrived CE-marked; others 0
+      11     reserved    0
+      12-15  credit_psn  the sender may send PSNs below this one (24-bit PSN, high byte 0)
+    """
+    name = "MRC SACKX"
+    fields_desc = [
+        XLongField("bitmap", 0),
+        ShortField("ev", 0),
+        FlagsField("flags", 0, 8, {MRC_SACK_FLAG_ECN_ECHO: "ECN_ECHO"}),
+        ByteField("reserved", 0),
+        IntField("credit_psn", 0),
+    ]
+
+
+# Dissection only, like RETH: the builder sets the opcode itself.
+bind_bottom_up(BTH, MrcSack, opcode=Opcode.MRC_SACK)
+
+
+def mrc_imm(message_id: int, packets_in_message: int) -> int:
+    """Immediate of an MRC data packet: message id (taken mod 2**16) high, packet count low."""
+    if not 1 <= packets_in_message <= MRC_MAX_PACKETS_PER_MESSAGE:
+        raise ValueError(f"packets in a message must be 1..{MRC_MAX_PACKETS_PER_MESSAGE}, "
+                         f"got {packets_in_message}")
+    return (message_id % MRC_MESSAGE_ID_MODULUS) << MRC_IMM_COUNT_BITS | packets_in_message
+
+
+def mrc_data(payload: bytes, *, dst_qp: int, psn: int, ev: int, va: int, rkey: int,
+             message_id: int, packets_in_message: int,
+             endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """One MRC data packet: `payload` written at `va`, sent on UDP source port `ev`.
+
+    `ev` replaces endpoints.src_port. The PSN is taken mod 2**24.
+    """
+    pad = -len(payload) % PAYLOAD_ALIGN_BYTES
+    pkt = (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.ECT_0)
+           # No AckReq: MRC receivers answer with SACKs, not RC ACKs. It is also what
+           # tells this from an RC WRITE ONLY WITH IMMEDIATE, which ends a message and
+           # asks for its ACK.
+           / BTH(opcode=Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, dqpn=dst_qp,
+                 psn=psn % PSN_MODULUS, padcount=pad, ackreq=0)
+           / RETH(va=va, rkey=rkey, dma_len=len(payload))
+           / ImmDt(imm=mrc_imm(message_id, packets_in_message)))
+    if payload:
+        pkt /= Raw(payload + bytes(pad))
+    return pkt
+
+
+def sack_bitmap(cum_psn: int, received_psns: Iterable[int]) -> int:
+    """SACKX bitmap of `received_psns`, each one of the 64 PSNs after `cum_psn` (mod 2**24)."""
+    bitmap = 0
+    for psn in received_psns:
+        bit = (psn - cum_psn - 1) % PSN_MODULUS
+        if bit >= MRC_SACK_BITMAP_BITS:
+            raise ValueError(f"PSN {psn} is not among the {MRC_SACK_BITMAP_BITS} PSNs after "
+                             f"the cumulative ACK {cum_psn}")
+        bitmap |= 1 << bit
+    return bitmap
+
+
+def mrc_sack(cum_psn: int, *, dst_qp: int, ev: int, credit_psn: int,
+             received_psns: Iterable[int] | None = None, bitmap: int | None = None,
+             ecn_echo: bool = False, endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """MRC selective ACK to the sender of QP `dst_qp`: every PSN before `cum_psn` arrived.
+
+    What arrived beyond it is given as `received_psns` or as a ready `bitmap`, one
+    of the two. `ev` and `ecn_echo` describe the data packet this SACK answers.
+    The SACK goes out on endpoints.src_port, a fixed port: spraying it would gain
+    nothing. PSNs are taken mod 2**24.
+    """
+    if (received_psns is None) == (bitmap is None):
+        raise ValueError("give either received_psns or bitmap")
+    if bitmap is None:
+        bitmap = sack_bitmap(cum_psn, received_psns)
+    elif not 0 <= bitmap < 1 << MRC_SACK_BITMAP_BITS:
+        raise ValueError(f"the SACK bitmap has {MRC_SACK_BITMAP_BITS} bits, got {bitmap:#x}")
+    # Like ACKs: in the data class so as not to pass the data, and not ECN-capable.
+    return (_roce_udp(endpoints, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+            / BTH(opcode=Opcode.MRC_SACK, dqpn=dst_qp, psn=cum_psn % PSN_MODULUS)
+            / MrcSack(bitmap=bitmap, ev=ev, flags=MRC_SACK_FLAG_ECN_ECHO if ecn_echo else 0,
+                      credit_psn=credit_psn % PSN_MODULUS))
 
 
 def _ipv4_checksum(header: bytes | bytearray) -> int:

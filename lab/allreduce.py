@@ -1,0 +1,56 @@
+"""All-reduce over the emulated fabric, checked and measured: shared by
+`fabriclab allreduce` and the `allreduce` experiment."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lab.gpus import GpuAgents
+from lab.network import FabricNetwork
+from topologies.leafspine import LeafSpine, LeafSpineParams
+
+ALGORITHMS = ("ring",)
+TRANSPORTS = ("rc", "mrc")
+
+
+def fabric_for(n_gpus: int, **overrides) -> LeafSpine:
+    """A small leaf-spine with one GPU host per rank, two per leaf."""
+    params = LeafSpineParams(spines=2, leaves=math.ceil(n_gpus / 2), hosts_per_leaf=2,
+                             **overrides)
+    return LeafSpine(params)
+
+
+def nccl_figures(size_bytes: int, n: int, time_s: float) -> dict:
+    """nccl-tests' yardsticks: algbw = S/t, busbw = algbw * 2(n-1)/n (all-reduce)."""
+    algbw = size_bytes / time_s if time_s > 0 else float("inf")
+    return {"time_s": time_s, "size_bytes": size_bytes, "algbw_mbps": algbw * 8 / 1e6,
+            "busbw_mbps": algbw * 2 * (n - 1) / n * 8 / 1e6}
+
+
+def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
+        mean: bool = True) -> dict:
+    """All-reduce `tensors` (one per GPU host, in host order) and check every result."""
+    n = len(tensors)
+    hosts = [h.name for h in net.fabric.hosts[:n]]
+    with GpuAgents(net, hosts) as gpus:
+        res = gpus.allreduce(tensors, transport, op="mean" if mean else "sum")
+    expected = np.sum(np.stack(tensors).astype(np.float32), axis=0)
+    if mean:
+        expected = expected / n
+    results = res.results
+    errors = [float(np.max(np.abs(r - expected))) if r.size else 0.0 for r in results]
+    tol = 1e-5 * max(1.0, float(np.max(np.abs(expected))) if expected.size else 1.0) * n
+    retx = sum(c.get("retransmitted", 0) for per_host in res.counters
+               for c in per_host.values())
+    link_mbps = net.fabric.hosts[0].interface().rate_mbps
+    figures = nccl_figures(tensors[0].nbytes, n, res.time_s)
+    return {
+        "hosts": hosts, "transport": transport, "n": n,
+        "results": results, "expected": expected,
+        "max_abs_error": max(errors), "tolerance": tol,
+        "agree": all(e <= tol for e in errors), "per_host_error": errors,
+        "retransmitted_packets": retx, "link_rate_mbps": link_mbps,
+        "busbw_over_link": figures["busbw_mbps"] / link_mbps,
+        **figures,
+    }

@@ -1,0 +1,259 @@
+"""The MRC wire format, the sample pcap, and what tshark makes of both with the lab's Lua dissector.
+
+No root and no network: frames are built in memory and, for tshark, written to a pcap.
+"""
+import shutil
+import struct
+
+import pytest
+from scapy.contrib.roce import BTH
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Raw
+from scapy.utils import rdpcap, wrpcap
+
+from conftest import fabriclab
+from test_packets import icrc_by_spec, tshark
+from traffic.constants import (DSCP_ROCE_DATA, MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
+                               MRC_SACKX_BYTES, PSN_MODULUS, ROCE_V2_UDP_PORT, Ecn, Opcode)
+from traffic.packets import (RETH, FrameTemplate, ImmDt, MrcSack, mrc_data, mrc_sack,
+                             rc_write_packets)
+from traffic.samples import WIRESHARK_LUA, sample_frames, write_samples
+
+needs_tshark = pytest.mark.skipif(shutil.which("tshark") is None, reason="tshark not installed")
+
+QP = 0x0000AB
+DATA = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE   # the opcode of MRC data
+IB, MACC = "infiniband.bth.opcode", "macc.opcode"   # tshark fields of the opcodes
+
+
+def tshark_fields(pcap, fields: list[str]) -> list[dict[str, str]]:
+    """One dict per frame: field -> value as tshark prints it ('' if absent, repeats joined by ',')."""
+    args = ["-X", f"lua_script:{WIRESHARK_LUA}", "-r", str(pcap), "-T", "fields",
+            "-E", "occurrence=a", "-E", "aggregator=,"]
+    for field in fields:
+        args += ["-e", field]
+    return [dict(zip(fields, line.split("\t"))) for line in tshark(*args).splitlines()]
+
+
+def assert_decodes_clean(pcap) -> None:
+    """Nothing malformed and no expert info of any severity, with the Lua dissector loaded."""
+    assert tshark("-X", f"lua_script:{WIRESHARK_LUA}", "-r", str(pcap),
+                  "-Y", "_ws.malformed || _ws.expert") == ""
+
+
+def opcode(row: dict[str, str]) -> int | None:
+    """The BTH opcode of a tshark_fields row, None for a frame without one."""
+    return int(row[IB]) if row[IB] else None
+
+
+def flag(text: str) -> bool:
+    return {"0": False, "1": True, "False": False, "True": True}[text]   # tshark 4.0 prints 0/1
+
+
+# --- MRC data --------------------------------------------------------------
+
+def test_mrc_data_is_a_self_describing_write_only_with_immediate():
+    payload = bytes(range(37))   # not a multiple of 4: padded
+    frame = Ether(bytes(mrc_data(payload, dst_qp=QP, psn=PSN_MODULUS + 9, ev=0xD00D, va=0x7000_0400,
+                                 rkey=0xBEEF, message_id=0x1_0005, packets_in_message=300)))
+    assert frame[IP].tos == DSCP_ROCE_DATA << 2 | Ecn.ECT_0
+    assert (frame[UDP].sport, frame[UDP].dport) == (0xD00D, ROCE_V2_UDP_PORT)
+    bth = frame[BTH]
+    assert (bth.opcode, bth.dqpn, bth.psn, bth.ackreq, bth.padcount) == \
+        (Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, QP, 9, 0, 3)
+    assert (frame[RETH].va, frame[RETH].rkey, frame[RETH].dma_len) == (0x7000_0400, 0xBEEF, 37)
+    assert frame[ImmDt].imm == 0x0005_012C   # message id mod 2**16, then 300 packets
+    assert frame[Raw].load == payload + bytes(3)
+
+
+def test_fast_path_stamps_mrc_data():
+    """FrameTemplate patches what changes from packet to packet of a message: PSN, EV, VA."""
+    def build(psn: int, ev: int, va: int):
+        return mrc_data(bytes(256), dst_qp=QP, psn=psn, ev=ev, va=va, rkey=0xBEEF,
+                        message_id=3, packets_in_message=8)
+
+    template = FrameTemplate(build(0, 0xD000, 0x1000))
+    for i, ev in enumerate([0xD001, 0xE5A5, 0xFFFF]):
+        psn, va = PSN_MODULUS - 1 + i, 0x1000 + 256 * i
+        assert template.build(psn, ev, va=va) == bytes(build(psn, ev, va))
+
+
+@pytest.mark.parametrize("count", [0, 0x10000])
+def test_mrc_data_rejects_packet_counts_the_immediate_cannot_hold(count):
+    with pytest.raises(ValueError):
+        mrc_data(b"x", dst_qp=QP, psn=0, ev=1, va=0, rkey=0, message_id=0, packets_in_message=count)
+
+
+# --- MRC SACK --------------------------------------------------------------
+
+def sack(cum_psn: int, **kw):
+    return mrc_sack(cum_psn, **{"dst_qp": QP, "ev": 0xC123, "credit_psn": 500,
+                                "received_psns": [], **kw})
+
+
+def test_sackx_bytes_follow_the_documented_layout():
+    frame = mrc_sack(0x123456, dst_qp=QP, received_psns=[0x123457, 0x123457 + 63], ev=0xC123,
+                     ecn_echo=True, credit_psn=0x123456 + 200)
+    wire = bytes(frame)
+    sackx = wire[-4 - MRC_SACKX_BYTES:-4]
+    assert sackx == struct.pack("!QHBBI", 1 << 63 | 1, 0xC123, 0x01, 0, 0x123456 + 200)
+    back = Ether(wire)
+    assert back[BTH].opcode == Opcode.MRC_SACK == 0xC1
+    assert (back[BTH].psn, back[BTH].dqpn) == (0x123456, QP)
+    assert len(back[MrcSack]) == MRC_SACKX_BYTES   # dissected, with the ICRC left in the BTH
+    assert (back[MrcSack].bitmap, back[MrcSack].ev, back[MrcSack].credit_psn) == \
+        (1 << 63 | 1, 0xC123, 0x123456 + 200)
+    assert back[IP].tos == DSCP_ROCE_DATA << 2 | Ecn.NOT_ECT
+    assert bytes(back) == wire
+
+
+@pytest.mark.parametrize("kw", [
+    {"received_psns": [100]},          # the cumulative ACK itself has not arrived
+    {"received_psns": [99]},           # already covered by the cumulative ACK
+    {"received_psns": [165]},          # beyond the 64-bit window
+    {"received_psns": None},           # neither form
+    {"bitmap": 1},                     # both forms
+    {"received_psns": None, "bitmap": 1 << 64},
+])
+def test_sack_rejects_what_the_bitmap_cannot_say(kw):
+    with pytest.raises(ValueError):
+        sack(100, **kw)
+
+
+SACK_CASES = [   # cum_psn, received_psns, ev, ecn_echo, credit_psn
+    (100, [101, 103, 164], 0xC001, True, 164),        # bits 0, 2 and 63
+    (PSN_MODULUS - 2, [PSN_MODULUS - 1, PSN_MODULUS, PSN_MODULUS + 3], 0xFFFF, False, 30),  # wraps
+    (0, [], 1024, False, 0),                          # nothing beyond the cumulative ACK
+]
+
+
+@needs_tshark
+def test_lua_decodes_sacks_as_built(tmp_path):
+    pcap = tmp_path / "sacks.pcap"
+    wrpcap(str(pcap), [mrc_sack(cum, dst_qp=QP, received_psns=got, ev=ev, ecn_echo=ecn,
+                                credit_psn=credit) for cum, got, ev, ecn, credit in SACK_CASES])
+    fields = ["infiniband.bth.opcode", "fabriclab_mrc.sack.cum_psn", "fabriclab_mrc.sack.bitmap",
+              "fabriclab_mrc.sack.acked_psn", "fabriclab_mrc.sack.ev",
+              "fabriclab_mrc.sack.ecn_echo", "fabriclab_mrc.sack.reserved",
+              "fabriclab_mrc.sack.credit_psn"]
+    rows = tshark_fields(pcap, fields)
+    assert len(rows) == len(SACK_CASES)
+    for row, (cum, got, ev, ecn, credit) in zip(rows, SACK_CASES):
+        bitmap = sum(1 << (psn - cum - 1) for psn in got)   # got lies within 64 past cum here
+        acked = [str(psn % PSN_MODULUS) for psn in got]
+        assert opcode(row) == Opcode.MRC_SACK
+        assert int(row["fabriclab_mrc.sack.cum_psn"]) == cum
+        assert int(row["fabriclab_mrc.sack.bitmap"], 16) == bitmap
+        assert row["fabriclab_mrc.sack.acked_psn"].split(",") == (acked or [""])
+        assert int(row["fabriclab_mrc.sack.ev"]) == ev
+        assert flag(row["fabriclab_mrc.sack.ecn_echo"]) == ecn
+        assert int(row["fabriclab_mrc.sack.reserved"], 16) == 0
+        assert int(row["fabriclab_mrc.sack.credit_psn"]) == credit
+    assert_decodes_clean(pcap)
+
+
+@needs_tshark
+def test_lua_labels_mrc_data_but_not_rc_writes_with_immediate(tmp_path):
+    """Both have opcode 0x0B; RC's asks for an ACK (it ends a message), MRC data never does."""
+    [rc] = rc_write_packets(bytes(64), dst_qp=QP, psn=1, va=0, rkey=0, imm=0x0007_0004)
+    data = mrc_data(bytes(64), dst_qp=QP, psn=2, ev=0xD001, va=0, rkey=0, message_id=7,
+                    packets_in_message=4)
+    pcap = tmp_path / "imm.pcap"
+    wrpcap(str(pcap), [rc, data])
+    rows = tshark_fields(pcap, [IB, "fabriclab_mrc.msg_id", "fabriclab_mrc.msg_packets"])
+    assert [(opcode(r), r["fabriclab_mrc.msg_id"], r["fabriclab_mrc.msg_packets"]) for r in rows] \
+        == [(DATA, "", ""), (DATA, "7", "4")]
+    assert_decodes_clean(pcap)
+
+
+# --- the sample pcap -------------------------------------------------------
+
+EXPECTED = [(IB, op) for op in (   # per sample frame: its BTH or MAC Control opcode
+    Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST,
+    Opcode.RDMA_WRITE_ONLY, Opcode.ACKNOWLEDGE, Opcode.ACKNOWLEDGE, Opcode.CNP,
+    DATA, DATA, DATA, DATA, Opcode.MRC_SACK)] + [
+    (MACC, MAC_CONTROL_OPCODE_PFC), (MACC, MAC_CONTROL_OPCODE_PFC), (MACC, MAC_CONTROL_OPCODE_PAUSE)]
+
+SAMPLE_FIELDS = ["frame.number", IB, MACC, "infiniband.aeth.syndrome", "udp.srcport",
+                 "infiniband.immdt",
+                 "fabriclab_mrc.msg_id", "fabriclab_mrc.msg_packets",
+                 "fabriclab_mrc.sack.cum_psn", "fabriclab_mrc.sack.bitmap",
+                 "fabriclab_mrc.sack.ev", "fabriclab_mrc.sack.ecn_echo",
+                 "fabriclab_mrc.sack.credit_psn"]
+
+
+@pytest.fixture(scope="module")
+def samples_pcap(tmp_path_factory):
+    pcap = tmp_path_factory.mktemp("samples") / "samples.pcap"
+    return pcap, write_samples(pcap)
+
+
+def test_every_roce_sample_has_a_correct_icrc():
+    roce = [(d, bytes(f)) for d, f in sample_frames() if BTH in f]
+    assert len(roce) == sum(1 for field, _ in EXPECTED if field == IB)
+    for description, wire in roce:
+        on_wire, computed = icrc_by_spec(wire)
+        assert on_wire == computed, description
+
+
+@needs_tshark
+def test_samples_decode_as_built(samples_pcap):
+    pcap, samples = samples_pcap
+    assert len(samples) == len(EXPECTED)
+    rows = tshark_fields(pcap, SAMPLE_FIELDS)
+    assert [int(r["frame.number"]) for r in rows] == list(range(1, len(EXPECTED) + 1))
+    for row, (field, value), (description, _) in zip(rows, EXPECTED, samples):
+        decoded = {f: int(row[f], 0) for f in (IB, MACC) if row[f]}
+        assert decoded == {field: value}, description
+    syndromes = [int(r["infiniband.aeth.syndrome"], 0)
+                 for r in rows if r["infiniband.aeth.syndrome"]]
+    assert syndromes == [0x1F, 0x60]   # one ACK, one NAK (PSN sequence error)
+
+
+@needs_tshark
+def test_sample_mrc_data_is_sprayed_and_labelled(samples_pcap):
+    pcap, _ = samples_pcap
+    data = [r for r in tshark_fields(pcap, SAMPLE_FIELDS) if opcode(r) == DATA]
+    assert len(data) >= 4
+    assert len({r["udp.srcport"] for r in data}) >= 4
+    for row in data:
+        # The Lua labels agree with the immediate that tshark's own dissector shows
+        # (twice: as the ImmDt header and as its one field, the same 4 bytes).
+        imm = int(row["infiniband.immdt"].split(",")[0], 16)
+        assert (int(row["fabriclab_mrc.msg_id"]), int(row["fabriclab_mrc.msg_packets"])) == \
+            (imm >> 16, imm & 0xFFFF)
+        assert int(row["fabriclab_mrc.msg_packets"]) == len(data)
+
+
+@needs_tshark
+def test_sample_sack_decodes_as_built(samples_pcap):
+    pcap, samples = samples_pcap
+    rows = tshark_fields(pcap, SAMPLE_FIELDS)
+    [(row, frame)] = [(r, f) for r, (_, f) in zip(rows, samples) if MrcSack in f]
+    built = frame[MrcSack]
+    assert int(row["fabriclab_mrc.sack.cum_psn"]) == frame[BTH].psn
+    assert int(row["fabriclab_mrc.sack.bitmap"], 16) == built.bitmap
+    assert int(row["fabriclab_mrc.sack.ev"]) == built.ev
+    assert flag(row["fabriclab_mrc.sack.ecn_echo"]) == bool(built.flags.ECN_ECHO)
+    assert int(row["fabriclab_mrc.sack.credit_psn"]) == built.credit_psn
+    # The EV names one of the data packets: the one that triggered the SACK.
+    assert row["fabriclab_mrc.sack.ev"] in {r["udp.srcport"] for r in rows if opcode(r) == DATA}
+
+
+@needs_tshark
+def test_samples_decode_clean(samples_pcap):
+    pcap, _ = samples_pcap
+    assert_decodes_clean(pcap)
+
+
+# --- the CLI ---------------------------------------------------------------
+
+def test_cli_writes_the_samples(tmp_path):
+    r = fabriclab("samples", "--out", "tmp.pcap", cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(rdpcap(str(tmp_path / "tmp.pcap"))) == len(EXPECTED)
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:len(EXPECTED)]] == \
+        [str(n) for n in range(1, len(EXPECTED) + 1)]
+    assert f"lua_script:{WIRESHARK_LUA}" in r.stdout

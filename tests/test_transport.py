@@ -1,0 +1,206 @@
+"""RC and MRC transports over an in-memory link: delivery, loss recovery, spraying,
+EV health, malformed input. No namespaces needed."""
+import os
+import random
+import socket
+import time
+
+import pytest
+
+from traffic.constants import PSN_MODULUS
+from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
+from traffic.nic import Nic
+from traffic.qp import Region
+from traffic.rc import RcParams, RcQP
+from traffic.roce import BTH_OFFSET, Path, parse
+
+A = Path("02:fa:00:00:00:00", "02:fa:00:00:00:01", "10.1.0.1", "10.1.0.2")
+B = Path("02:fa:00:00:00:01", "02:fa:00:00:00:00", "10.1.0.2", "10.1.0.1")
+
+
+class MemoryWire:
+    """One end of an in-memory link; `drop(frame)` decides losses on the way out."""
+
+    def __init__(self, sock, drop=lambda frame: False):
+        self.sock, self.drop = sock, drop
+        self.sock.setblocking(False)
+        self.sent_ports = []
+
+    def fileno(self):
+        return self.sock.fileno()
+
+    def send(self, frame):
+        p = parse(frame, EXT_BYTES)
+        self.sent_ports.append(p.sport)
+        if not self.drop(frame):
+            self.sock.send(frame)
+        return True
+
+    def recv_all(self, limit=256):
+        out = []
+        for _ in range(limit):
+            try:
+                out.append(self.sock.recv(4096))
+            except BlockingIOError:
+                break
+        return out
+
+
+def link(drop_ab=lambda f: False):
+    sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for s in (sa, sb):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    return MemoryWire(sa, drop_ab), MemoryWire(sb)
+
+
+def pump(nics, done, timeout_s=20.0):
+    end = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < end, "transfer did not finish"
+        now = time.monotonic()
+        for nic in nics:
+            nic.receive(now)
+            nic.transmit(now)
+            nic.timers(now)
+
+
+def pair(kind, drop=lambda f: False, **params):
+    wa, wb = link(drop)
+    nic_a, nic_b = Nic(wa, 800, EXT_BYTES), Nic(wb, 800, EXT_BYTES)
+    region = Region(rkey=7, buf=bytearray(1 << 20))
+    cls, pcls = (RcQP, RcParams) if kind == "rc" else (MrcQP, MrcParams)
+    qa = nic_a.add(cls(A, 0x101, 0x102, None, pcls(**params)))
+    qb = nic_b.add(cls(B, 0x102, 0x101, region, pcls(**params)))
+    return nic_a, nic_b, qa, qb, region
+
+
+def psn_of(frame):
+    return int.from_bytes(frame[BTH_OFFSET + 9:BTH_OFFSET + 12], "big")
+
+
+def drop_first_tx(psns):
+    """Lose the first transmission of each data PSN in `psns`."""
+    pending = set(psns)
+
+    def drop(frame):
+        psn = psn_of(frame)
+        if psn in pending:
+            pending.discard(psn)
+            return True
+        return False
+    return drop
+
+
+@pytest.mark.parametrize("kind", ["rc", "mrc"])
+def test_message_arrives_intact(kind):
+    nic_a, nic_b, qa, qb, region = pair(kind)
+    data = os.urandom(300_000)
+    qa.post_write(data, region.base_va + 1000, 7, tag=5)
+    pump([nic_a, nic_b], lambda: ("received", 5, len(data)) in qb.events and qa.idle())
+    assert bytes(region.buf[1000:1000 + len(data)]) == data
+    assert ("sent", 5) in qa.events
+    assert qa.counters.retransmitted == 0 and qb.counters.duplicate == 0
+
+
+def test_rc_uses_one_source_port_and_mrc_sprays():
+    nic_a, nic_b, qa, qb, region = pair("rc")
+    qa.post_write(os.urandom(50_000), region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], qa.idle)
+    assert len(set(nic_a.wire.sent_ports)) == 1 and nic_a.wire.sent_ports[0] >= 0xC000
+    nic_a, nic_b, qa, qb, region = pair("mrc")
+    qa.post_write(os.urandom(50_000), region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], qa.idle)
+    data_ports = nic_a.wire.sent_ports
+    assert set(data_ports) == set(MrcParams().evs)
+    counts = [data_ports.count(p) for p in MrcParams().evs]
+    assert max(counts) - min(counts) <= 1          # round robin over healthy EVs
+
+
+@pytest.mark.parametrize("kind", ["rc", "mrc"])
+def test_loss_recovery_rc_goes_back_n_mrc_resends_only_the_lost(kind):
+    lost = {10, 40, 41, 90}
+    nic_a, nic_b, qa, qb, region = pair(kind, drop=drop_first_tx(lost), window_packets=64) \
+        if kind == "rc" else pair(kind, drop=drop_first_tx(lost))
+    data = os.urandom(200 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=9)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    if kind == "mrc":
+        assert qa.counters.retransmitted == len(lost)
+    else:
+        assert qa.counters.retransmitted > len(lost)       # everything after each loss again
+        assert qb.counters.out_of_order > 0 and qb.counters.naks_sent >= 1
+
+
+@pytest.mark.parametrize("kind", ["rc", "mrc"])
+def test_psn_wraps(kind):
+    nic_a, nic_b, qa, qb, region = pair(kind)
+    start = PSN_MODULUS - 20
+    for q in (qa, qb):   # both ends agree on an initial PSN just below the wrap
+        if kind == "rc":
+            q.snd_una = q.snd_nxt = q.snd_end = q.high_sent = q.epsn = start
+        else:
+            q.snd_cum = q.snd_nxt = q.snd_end = q.rcv_cum = start
+            q.credit_limit = start + q.params.credit_packets
+    data = os.urandom(64 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=3)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.counters.retransmitted == 0
+
+
+def test_mrc_retires_a_dead_ev_and_keeps_going():
+    dead = 0xF003
+    nic_a, nic_b, qa, qb, region = pair(
+        "mrc", drop=lambda f: int.from_bytes(f[34:36], "big") == dead, ev_probe_after_ms=5000)
+    data = os.urandom(400 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=2)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    ev = {e["port"]: e for e in qa.ev_report()}
+    assert ev[dead]["status"] == "bad" and ev[dead]["retirements"] == 1
+    p = MrcParams()   # retired within the first window, before its losses were even known
+    assert ev[dead]["sent"] <= p.init_cwnd_packets / len(p.evs) + p.ev_fail_losses
+    assert qa.counters.retransmitted == ev[dead]["lost"]    # only what was lost, once
+    assert all(e["status"] == "good" for p, e in ev.items() if p != dead)
+
+
+def test_mrc_never_goes_below_min_active_evs():
+    nic_a, nic_b, qa, qb, region = pair(
+        "mrc", drop=lambda f: int.from_bytes(f[34:36], "big") in (0xF000, 0xF001, 0xF002),
+        evs=(0xF000, 0xF001, 0xF002, 0xF003), min_active_evs=2, ev_probe_after_ms=5000)
+    data = os.urandom(200 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=2)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events),
+         timeout_s=30)
+    assert bytes(region.buf[:len(data)]) == data
+    assert len(qa.active_evs()) >= 2
+
+
+@pytest.mark.parametrize("kind", ["rc", "mrc"])
+def test_receiver_survives_malformed_input(kind):
+    nic_a, nic_b, qa, qb, region = pair(kind)
+    data = os.urandom(20_000)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    good = []
+    nic_a.wire.drop = lambda f: good.append(f) or False
+    pump([nic_a, nic_b], qa.idle)
+    rng = random.Random(1)
+    for _ in range(2000):
+        f = bytearray(rng.choice(good))
+        mutation = rng.randrange(4)
+        if mutation == 0:
+            f = f[:rng.randrange(len(f))]                            # truncated
+        elif mutation == 1:
+            f[rng.randrange(14, len(f))] ^= 1 << rng.randrange(8)    # bit flip: bad ICRC
+        elif mutation == 2:
+            f = bytearray(os.urandom(len(f)))                        # noise
+        else:
+            f[BTH_OFFSET] = rng.randrange(256)                       # unknown opcode (bad ICRC too)
+        nic_b.deliver(bytes(f), time.monotonic())
+    assert nic_b.malformed > 1000
+    # Flips in the fields the ICRC leaves out by design (ECN, TTL, checksums, FECN/BECN)
+    # leave a valid frame: a duplicate. Nothing else was taken as data.
+    assert qb.counters.received - qb.counters.duplicate == len(good)
+    assert qb.counters.bytes_delivered == 20_000 and bytes(region.buf[:20_000]) == data

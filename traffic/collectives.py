@@ -1,0 +1,82 @@
+"""Collectives as step machines over a NIC's queue pairs, on real values.
+
+Each collective posts RDMA WRITEs into its peers' receive regions and reacts to
+the messages that complete in its own ("received", tag, nbytes). A message's tag
+names the step, so a step's data lands in its own slot and never overwrites one
+still being read.
+
+Ring all-reduce over n ranks (reduce-scatter then all-gather, 2(n-1) steps): the
+data is cut into n chunks; at reduce-scatter step s rank r sends chunk r-s to
+its right neighbour and adds the chunk r-s-1 arriving from its left; after n-1
+steps it owns the fully reduced chunk r+1, and all-gather passes the reduced
+chunks around the ring the same way.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from traffic.qp import QueuePair, Region
+
+
+def chunk_bounds(n_elems: int, n: int) -> list[tuple[int, int]]:
+    """n contiguous [start, end) element ranges covering the data, as even as can be."""
+    edges = np.linspace(0, n_elems, n + 1).round().astype(int)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class RingAllReduce:
+    """Rank `rank` of `n`: sends on `right` (a QP to rank+1), receives into `region`."""
+
+    def __init__(self, rank: int, n: int, data: np.ndarray, right: QueuePair,
+                 left: QueuePair, region: Region, peer_va: int, peer_rkey: int):
+        self.rank, self.n = rank, n
+        self.buf = data.astype(np.float32).copy()
+        self.right, self.left, self.region = right, left, region
+        self.peer_va, self.peer_rkey = peer_va, peer_rkey
+        self.bounds = chunk_bounds(len(self.buf), n)
+        self.slot_bytes = max(e - s for s, e in self.bounds) * 4
+        self.steps = 2 * (n - 1)
+        self.received = 0
+        self.sent_acked = 0
+
+    @staticmethod
+    def region_bytes(n_elems: int, n: int) -> int:
+        slot = max(e - s for s, e in chunk_bounds(n_elems, n)) * 4
+        return max(1, 2 * (n - 1) * slot)
+
+    def _send_chunk(self, s: int) -> int:
+        return (self.rank - s) % self.n if s < self.n - 1 else \
+            (self.rank + 1 - (s - (self.n - 1))) % self.n
+
+    def _recv_chunk(self, s: int) -> int:
+        return (self.rank - s - 1) % self.n if s < self.n - 1 else \
+            (self.rank - (s - (self.n - 1))) % self.n
+
+    def start(self) -> None:
+        if self.n > 1:
+            self._post(0)
+
+    def _post(self, s: int) -> None:
+        lo, hi = self.bounds[self._send_chunk(s)]
+        self.right.post_write(self.buf[lo:hi].tobytes(), self.peer_va + s * self.slot_bytes,
+                              self.peer_rkey, tag=s)
+
+    def on_event(self, qp: QueuePair, event: tuple) -> None:
+        kind, tag = event[0], event[1]
+        if kind == "sent" and qp is self.right:
+            self.sent_acked += 1
+        elif kind == "received" and qp is self.left:
+            s = tag
+            lo, hi = self.bounds[self._recv_chunk(s)]
+            off = s * self.slot_bytes
+            incoming = np.frombuffer(self.region.buf, np.float32, hi - lo, off)
+            if s < self.n - 1:
+                self.buf[lo:hi] += incoming
+            else:
+                self.buf[lo:hi] = incoming
+            self.received += 1
+            if s + 1 < self.steps:
+                self._post(s + 1)
+
+    def done(self) -> bool:
+        return self.received == self.steps and self.sent_acked == self.steps

@@ -1,0 +1,268 @@
+"""An MRC-style (Multipath Reliable Connection) transport: spraying, selective
+repeat, entropy-value health, congestion control at both ends.
+
+Wire format (see traffic/constants.py and traffic/wireshark/fabriclab_mrc.lua):
+every data packet is a self-describing RDMA WRITE ONLY WITH IMMEDIATE (its own
+VA in the RETH; immediate = message id << 16 | packets in the message), sent on
+an entropy value (EV: the UDP source port) of its own, so the fabric's ECMP
+spreads one QP over every path. The receiver places packets as they come, in
+any order, and answers each with a selective ACK (cumulative PSN + 64-bit
+bitmap, the EV it came on, an ECN echo, and a credit: how far the sender may go).
+
+Sender: a packet is lost once `reorder_packets` packets sent after it were
+acknowledged, or when its retransmit timer fires; only lost packets are resent,
+on another EV. An EV whose packets keep getting lost is retired, probed after a
+while and readmitted when a probe gets through; at least `min_active_evs` stay
+active. The window (packets in flight) grows by one per window of ACKs and
+shrinks on ECN echoes and on queueing delay above a target, once per RTT; the
+receiver's credit caps it too (what tames incast: the receiver sizes the credit).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
+                               MRC_MESSAGE_ID_MODULUS, MRC_SACK_BITMAP_BITS,
+                               MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, Opcode)
+from traffic.qp import Message, QueuePair, psn_delta
+from traffic.roce import Parsed, immdt, reth
+
+_SACKX = struct.Struct("!QHBBI")
+EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES}     # for roce.parse
+
+
+@dataclass
+class MrcParams:
+    mtu_bytes: int = 1024
+    evs: tuple[int, ...] = tuple(range(0xF000, 0xF008))
+    min_active_evs: int = 2
+    reorder_packets: int = 16
+    rto_ms: float = 50.0
+    init_cwnd_packets: float = 64.0
+    min_cwnd_packets: float = 4.0
+    max_cwnd_packets: float = 1024.0
+    decrease_factor: float = 0.7
+    target_delay_ms: float = 5.0       # queueing delay above the base RTT that counts as congestion
+    ev_fail_losses: int = 3            # losses on one EV (without a success between) to retire it
+    ev_probe_after_ms: float = 100.0
+    credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
+
+
+@dataclass
+class EvState:
+    port: int
+    status: str = "good"               # good, bad, probing
+    sent: int = 0
+    lost: int = 0
+    failures: int = 0                  # losses since the last success
+    retired_at: float = 0.0
+    retirements: int = 0
+
+
+@dataclass
+class Inflight:
+    seq: int
+    sent_at: float
+    ev: EvState
+    tx_index: int
+
+
+class MrcQP(QueuePair):
+    kind = "mrc"
+
+    def __init__(self, path, qpn, remote_qpn, region, params: MrcParams | None = None):
+        self.params = params or MrcParams()
+        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
+        p = self.params
+        if len(p.evs) < p.min_active_evs:
+            raise ValueError(f"{len(p.evs)} EVs is fewer than min_active_evs={p.min_active_evs}")
+        self.evs = [EvState(port) for port in p.evs]
+        self.ev_turn = 0
+        # sender
+        self.snd_cum = 0                # every seq below is acknowledged
+        self.snd_nxt = 0                # next new seq
+        self.snd_end = 0
+        self.acked: set[int] = set()    # acknowledged seqs at or above snd_cum
+        self.inflight: dict[int, Inflight] = {}
+        self.retx: list[int] = []
+        self.tx_index = 0
+        self.max_acked_tx = -1
+        self.cwnd = p.init_cwnd_packets
+        self.credit_limit = p.credit_packets
+        self.base_rtt = None
+        self.srtt = None
+        self.last_decrease = -1.0
+        self.ecn_echoes = 0
+        # receiver
+        self.rcv_cum = 0
+        self.rcv_seen: set[int] = set()
+        self.rcv_count: dict[int, int] = {}
+        self.rcv_bytes: dict[int, int] = {}
+
+    # --- sender ---------------------------------------------------------------------
+    def post_write(self, data: bytes, remote_va: int, rkey: int, tag: int) -> None:
+        msg = Message(data, remote_va, rkey, tag % MRC_MESSAGE_ID_MODULUS)
+        self.segment(msg, self.snd_end)
+        if msg.n_packets > MRC_MAX_PACKETS_PER_MESSAGE:
+            raise ValueError(f"message of {msg.n_packets} packets; MRC carries at most "
+                             f"{MRC_MAX_PACKETS_PER_MESSAGE} per message")
+        self.snd_end += msg.n_packets
+
+    def pending(self, now: float) -> bool:
+        if self.retx:
+            return True
+        return (self.snd_nxt < self.snd_end and len(self.inflight) < self.cwnd
+                and self.snd_nxt < self.credit_limit)
+
+    def active_evs(self) -> list[EvState]:
+        return [ev for ev in self.evs if ev.status != "bad"]
+
+    def _pick_ev(self, now: float, avoid: EvState | None = None) -> EvState:
+        for ev in self.evs:   # a retired EV is probed once its time has come
+            if ev.status == "bad" and now - ev.retired_at >= self.params.ev_probe_after_ms / 1000:
+                ev.status = "probing"
+                return ev
+        active = [ev for ev in self.active_evs() if ev.status == "good"] or self.active_evs()
+        for _ in range(len(active)):
+            ev = active[self.ev_turn % len(active)]
+            self.ev_turn += 1
+            if ev is not avoid or len(active) == 1:
+                return ev
+        return active[0]
+
+    def next_frame(self, now: float) -> bytes:
+        if self.retx:
+            seq = self.retx.pop(0)
+            old = self.inflight.get(seq)
+            ev = self._pick_ev(now, avoid=old.ev if old else None)
+            self.counters.retransmitted += 1
+        else:
+            seq = self.snd_nxt
+            self.snd_nxt += 1
+            ev = self._pick_ev(now)
+        msg, i = self.message_of(seq)
+        payload, va = self.chunk(msg, i)
+        self.inflight[seq] = Inflight(seq, now, ev, self.tx_index)
+        self.tx_index += 1
+        ev.sent += 1
+        self.counters.sent += 1
+        imm = msg.tag << MRC_IMM_COUNT_BITS | msg.n_packets
+        return self.data_framer.frame(ev.port, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                                      self.remote_qpn, seq, ext=reth(va, msg.rkey, len(payload))
+                                      + immdt(imm), payload=payload)
+
+    def deadline(self) -> float | None:
+        if not self.inflight:
+            return None
+        return min(f.sent_at for f in self.inflight.values()) + self.params.rto_ms / 1000
+
+    def on_timer(self, now: float) -> None:
+        rto = self.params.rto_ms / 1000
+        for f in list(self.inflight.values()):
+            if now - f.sent_at >= rto and f.seq not in self.retx:
+                self.counters.timeouts += 1
+                self._lost(f, now)
+
+    def _lost(self, f: Inflight, now: float) -> None:
+        self.retx.append(f.seq)
+        f.sent_at = float("inf")          # not lost twice before it is resent
+        ev = f.ev
+        ev.lost += 1
+        ev.failures += 1
+        if ev.status == "probing" or (ev.failures >= self.params.ev_fail_losses
+                                      and len(self.active_evs()) > self.params.min_active_evs):
+            if ev.status != "bad":
+                ev.retirements += 1
+            ev.status, ev.retired_at, ev.failures = "bad", now, 0
+        self._decrease(now)
+
+    def _decrease(self, now: float) -> None:
+        rtt = self.srtt or self.params.rto_ms / 1000
+        if now - self.last_decrease >= rtt:
+            self.cwnd = max(self.params.min_cwnd_packets, self.cwnd * self.params.decrease_factor)
+            self.last_decrease = now
+
+    def _on_sack(self, p: Parsed, now: float) -> None:
+        bitmap, _ev_port, flags, _, credit = _SACKX.unpack_from(p.ext)
+        cum = self.snd_cum + psn_delta(p.psn, self.snd_cum)
+        newly = [s for s in list(self.inflight) if s < cum]
+        base = cum + 1
+        newly += [base + i for i in range(MRC_SACK_BITMAP_BITS)
+                  if bitmap >> i & 1 and base + i in self.inflight]
+        for seq in newly:
+            f = self.inflight.pop(seq)
+            self.acked.add(seq)
+            if seq in self.retx:
+                self.retx.remove(seq)
+            if f.sent_at != float("inf"):
+                self._rtt_sample(now - f.sent_at, now)
+            f.ev.failures = 0
+            if f.ev.status == "probing":
+                f.ev.status = "good"      # the probe got through: readmitted
+            self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
+            self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
+        if cum > self.snd_cum:
+            self.snd_cum = cum
+            self.acked = {s for s in self.acked if s >= cum}
+            self.retire_acked(cum)
+        self.credit_limit = max(self.credit_limit,
+                                self.snd_cum + psn_delta(credit, self.snd_cum))
+        if flags & MRC_SACK_FLAG_ECN_ECHO:
+            self.ecn_echoes += 1
+            self._decrease(now)
+        for f in list(self.inflight.values()):   # holes passed by later packets are losses
+            if f.tx_index + self.params.reorder_packets < self.max_acked_tx \
+                    and f.sent_at != float("inf"):
+                self._lost(f, now)
+
+    def _rtt_sample(self, rtt: float, now: float) -> None:
+        self.base_rtt = rtt if self.base_rtt is None else min(self.base_rtt, rtt)
+        self.srtt = rtt if self.srtt is None else 0.875 * self.srtt + 0.125 * rtt
+        if rtt - self.base_rtt > self.params.target_delay_ms / 1000:
+            self._decrease(now)
+
+    # --- receiver -------------------------------------------------------------------
+    def on_packet(self, p: Parsed, now: float) -> list[bytes]:
+        if p.opcode == Opcode.MRC_SACK:
+            self._on_sack(p, now)
+            return []
+        if p.opcode != Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE or p.imm is None:
+            raise ValueError(f"opcode {p.opcode:#x} is not MRC data")
+        self.counters.received += 1
+        self.counters.ecn_marked += p.ce
+        seq = self.rcv_cum + psn_delta(p.psn, self.rcv_cum)
+        if seq < self.rcv_cum or seq in self.rcv_seen:
+            self.counters.duplicate += 1
+        else:
+            if seq != self.rcv_cum:
+                self.counters.out_of_order += 1
+            self.region.place(p.va, p.payload)
+            self.counters.bytes_delivered += len(p.payload)
+            self.rcv_seen.add(seq)
+            while self.rcv_cum in self.rcv_seen:
+                self.rcv_seen.discard(self.rcv_cum)
+                self.rcv_cum += 1
+            tag, count = p.imm >> MRC_IMM_COUNT_BITS, p.imm & MRC_MAX_PACKETS_PER_MESSAGE
+            self.rcv_count[tag] = self.rcv_count.get(tag, 0) + 1
+            self.rcv_bytes[tag] = self.rcv_bytes.get(tag, 0) + len(p.payload)
+            if self.rcv_count[tag] == count:
+                self.events.append(("received", tag, self.rcv_bytes.pop(tag)))
+                del self.rcv_count[tag]
+        return [self._sack(p)]
+
+    def _sack(self, p: Parsed) -> bytes:
+        base = self.rcv_cum + 1
+        bitmap = 0
+        for s in self.rcv_seen:
+            if 0 <= s - base < MRC_SACK_BITMAP_BITS:
+                bitmap |= 1 << (s - base)
+        flags = MRC_SACK_FLAG_ECN_ECHO if p.ce else 0
+        credit = (self.rcv_cum + self.params.credit_packets) & 0xFFFFFF
+        self.counters.acks_sent += 1
+        return self.ctrl_framer.frame(self.sport, Opcode.MRC_SACK, self.remote_qpn,
+                                      self.rcv_cum, ext=_SACKX.pack(bitmap, p.sport, flags, 0,
+                                                                     credit))
+
+    def ev_report(self) -> list[dict]:
+        return [dict(ev.__dict__) for ev in self.evs]

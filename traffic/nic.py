@@ -1,0 +1,170 @@
+"""A GPU's NIC: one wire, its queue pairs, pacing at the line rate, one loop.
+
+The wire is an AF_PACKET socket on the host's interface (`PacketWire`) or, in
+unit tests, an in-memory link (`MemoryWire`). Received frames are demultiplexed
+to QPs by destination QP number; responses (ACK, NAK, SACK) go out ahead of
+data; data leaves paced at `rate_mbps`, the QPs taking turns. If the kernel
+queue is full (ENOBUFS) the frame is kept and retried: a NIC never drops its
+own packets.
+"""
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import time
+from collections.abc import Callable
+
+from traffic.qp import QueuePair
+from traffic.roce import ETH_P_IP, Malformed, parse
+
+SOL_PACKET = 263
+PACKET_IGNORE_OUTGOING = 23
+SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
+ETH_FRAME_OVERHEAD_BYTES = 24     # preamble, SFD, FCS, inter-frame gap: time on the wire
+
+
+class PacketWire:
+    """A raw AF_PACKET socket on one interface (inside the caller's namespace)."""
+
+    def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
+        self.sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
+        self.sock.bind((intf, 0))
+        self.sock.setblocking(False)
+        # The host kernel also sees the UDP 4791 frames; holding the port stops it
+        # answering each with an ICMP port unreachable. Nothing reads this socket.
+        self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.holder.bind(("0.0.0.0", 4791))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, frame: bytes) -> bool:
+        try:
+            self.sock.send(frame)
+            return True
+        except (BlockingIOError, OSError) as e:
+            if getattr(e, "errno", None) in (11, 105):    # EAGAIN, ENOBUFS: queue full
+                return False
+            raise
+
+    def recv_all(self, limit: int = 256) -> list[bytes]:
+        out = []
+        for _ in range(limit):
+            try:
+                out.append(self.sock.recv(4096))
+            except BlockingIOError:
+                break
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.holder.close()
+
+
+class Nic:
+    def __init__(self, wire, rate_mbps: float, ext_bytes: dict[int, int] | None = None):
+        self.wire = wire
+        self.rate_bps = rate_mbps * 1e6
+        self.ext_bytes = ext_bytes
+        self.qps: dict[int, QueuePair] = {}
+        self.ctrl: collections.deque[bytes] = collections.deque()
+        self.next_tx = 0.0
+        self.rr: collections.deque[int] = collections.deque()
+        self.malformed = 0
+        self.unknown_qp = 0
+        self.stalled: bytes | None = None
+
+    def add(self, qp: QueuePair) -> QueuePair:
+        self.qps[qp.qpn] = qp
+        self.rr.append(qp.qpn)
+        return qp
+
+    # --- one turn of the loop ------------------------------------------------------
+    def receive(self, now: float) -> int:
+        frames = self.wire.recv_all()
+        for frame in frames:
+            self.deliver(frame, now)
+        return len(frames)
+
+    def deliver(self, frame: bytes, now: float) -> None:
+        try:
+            p = parse(frame, self.ext_bytes)
+        except Malformed:
+            self.malformed += 1
+            return
+        if p is None:
+            return
+        qp = self.qps.get(p.dqpn)
+        if qp is None:
+            self.unknown_qp += 1
+            return
+        try:
+            self.ctrl.extend(qp.on_packet(p, now))
+        except (IndexError, ValueError):
+            self.malformed += 1   # e.g. a write outside the region: drop it, keep running
+
+    def transmit(self, now: float) -> None:
+        while self.ctrl:                       # responses first, unpaced (they are small)
+            if not self.wire.send(self.ctrl[0]):
+                return
+            self.ctrl.popleft()
+        while now >= self.next_tx:
+            frame = self.stalled or self._next_data(now)
+            if frame is None:
+                return
+            if not self.wire.send(frame):
+                self.stalled = frame
+                self.next_tx = now + 0.0002
+                return
+            self.stalled = None
+            wire_bits = (len(frame) + ETH_FRAME_OVERHEAD_BYTES) * 8
+            self.next_tx = max(self.next_tx, now - 0.001) + wire_bits / self.rate_bps
+
+    def _next_data(self, now: float) -> bytes | None:
+        for _ in range(len(self.rr)):
+            qpn = self.rr[0]
+            self.rr.rotate(-1)
+            qp = self.qps[qpn]
+            if qp.pending(now):
+                return qp.next_frame(now)
+        return None
+
+    def timers(self, now: float) -> float:
+        """Fire due QP timers; return the time of the next event to wake for."""
+        wake = now + 0.05
+        for qp in self.qps.values():
+            dl = qp.deadline()
+            if dl is not None:
+                if dl <= now:
+                    qp.on_timer(now)
+                    dl = qp.deadline()
+                if dl is not None:
+                    wake = min(wake, dl)
+        if self.stalled is not None or any(qp.pending(now) for qp in self.qps.values()):
+            wake = min(wake, max(self.next_tx, now))
+        return wake
+
+    def run_until(self, done: Callable[[], bool], timeout_s: float,
+                  extra_fds: list | None = None, on_fd: Callable | None = None) -> bool:
+        """Drive the NIC until done() or the timeout; returns done()."""
+        poller = select.poll()
+        poller.register(self.wire.fileno(), select.POLLIN)
+        for fd in extra_fds or []:
+            poller.register(fd, select.POLLIN)
+        end = time.monotonic() + timeout_s
+        while not done():
+            now = time.monotonic()
+            if now > end:
+                return False
+            self.receive(now)
+            self.transmit(now)
+            wake = self.timers(now)
+            wait_ms = max(0.0, (min(wake, end) - time.monotonic()) * 1000)
+            for fd, _ in poller.poll(wait_ms if not self.ctrl else 0):
+                if fd != self.wire.fileno() and on_fd:
+                    on_fd(fd)
+        return True

@@ -1,0 +1,109 @@
+"""What every queue pair has: identity, its framer, counters, a receive region.
+
+A QP is driven by its NIC (nic.py): `pending(now)` says whether it has a frame
+to send now, `next_frame(now)` gives it, `on_packet(p, now)` takes a received
+frame and returns response frames, and `deadline()` says when a timer fires.
+Completed messages are queued in `events`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traffic.constants import DSCP_ROCE_DATA, PSN_MODULUS, Ecn
+from traffic.roce import Framer, Path, udp_sport_for_qp
+
+HALF_PSN_SPACE = PSN_MODULUS // 2
+
+
+def psn_delta(psn24: int, base: int) -> int:
+    """Signed distance of a 24-bit wire PSN from an absolute sequence number."""
+    d = (psn24 - base) % PSN_MODULUS
+    return d - PSN_MODULUS if d >= HALF_PSN_SPACE else d
+
+
+@dataclass
+class Counters:
+    sent: int = 0
+    retransmitted: int = 0
+    received: int = 0
+    duplicate: int = 0
+    out_of_order: int = 0
+    acks_sent: int = 0
+    naks_sent: int = 0
+    timeouts: int = 0
+    ecn_marked: int = 0
+    bytes_delivered: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Region:
+    """Registered memory a remote writer may place data into."""
+    rkey: int
+    buf: bytearray
+    base_va: int = 0x10000000
+
+    def place(self, va: int, data) -> None:
+        off = va - self.base_va
+        if off < 0 or off + len(data) > len(self.buf):
+            raise IndexError(f"write of {len(data)} B at {va:#x} outside region {self.rkey}")
+        self.buf[off:off + len(data)] = data
+
+
+@dataclass
+class Message:
+    data: bytes
+    remote_va: int
+    rkey: int
+    tag: int                       # carried to the responder (RC: immediate; MRC: message id)
+    first_seq: int = 0
+    n_packets: int = 0
+    done: bool = False
+
+
+class QueuePair:
+    kind = "qp"
+
+    def __init__(self, path: Path, qpn: int, remote_qpn: int, region: Region | None,
+                 mtu_bytes: int):
+        self.qpn, self.remote_qpn = qpn, remote_qpn
+        self.data_framer = Framer(path, DSCP_ROCE_DATA, Ecn.ECT_0)
+        self.ctrl_framer = Framer(path, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+        self.sport = udp_sport_for_qp(qpn, remote_qpn)
+        self.region = region
+        self.mtu = mtu_bytes
+        self.counters = Counters()
+        self.events: list[tuple] = []       # ("received", tag, nbytes) / ("sent", tag)
+        self.messages: list[Message] = []
+
+    def segment(self, msg: Message, first_seq: int) -> None:
+        msg.first_seq = first_seq
+        msg.n_packets = max(1, -(-len(msg.data) // self.mtu))
+        self.messages.append(msg)
+
+    def chunk(self, msg: Message, index: int) -> tuple[bytes, int]:
+        """Payload and remote VA of packet `index` of `msg`."""
+        off = index * self.mtu
+        return msg.data[off:off + self.mtu], msg.remote_va + off
+
+    def message_of(self, seq: int) -> tuple[Message, int]:
+        for msg in self.messages:
+            if msg.first_seq <= seq < msg.first_seq + msg.n_packets:
+                return msg, seq - msg.first_seq
+        raise KeyError(seq)
+
+    def retire_acked(self, acked_below: int) -> None:
+        """Messages whose every packet is below `acked_below` are complete."""
+        keep = []
+        for msg in self.messages:
+            if msg.first_seq + msg.n_packets <= acked_below:
+                msg.done = True
+                self.events.append(("sent", msg.tag))
+            else:
+                keep.append(msg)
+        self.messages = keep
+
+    def idle(self) -> bool:
+        return not self.messages

@@ -1,0 +1,150 @@
+"""RoCE RC (reliable connection) as NICs implement it: in-order delivery,
+go-back-N loss recovery.
+
+Requester: a message is an RDMA WRITE segmented at the MTU (FIRST/MIDDLE/LAST,
+or ONLY), PSNs consecutive (24-bit, wrapping), the last one asking for an ACK
+and carrying the message's tag as immediate data. At most `window_packets`
+unacknowledged. A NAK (PSN sequence error) or a retransmit timeout rewinds to
+the oldest unacknowledged PSN and resends everything from there: go-back-N.
+Every packet of the QP leaves on one UDP source port (udp_sport_for_qp).
+
+Responder: accepts only the expected PSN; a later PSN means a loss: it is
+dropped and answered with one NAK (until the gap closes); an earlier PSN is a
+duplicate, re-ACKed. ACKs are coalesced: one per `ack_every_packets`, and at
+every packet that asks for one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from traffic.constants import AethSyndrome, Opcode
+from traffic.qp import Message, QueuePair, psn_delta
+from traffic.roce import Parsed, aeth, immdt, reth
+
+
+@dataclass
+class RcParams:
+    mtu_bytes: int = 1024
+    window_packets: int = 64
+    ack_every_packets: int = 16
+    rto_ms: float = 50.0
+
+
+class RcQP(QueuePair):
+    kind = "rc"
+
+    def __init__(self, path, qpn, remote_qpn, region, params: RcParams | None = None):
+        self.params = params or RcParams()
+        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
+        self.snd_una = 0         # oldest unacknowledged sequence number (absolute)
+        self.snd_nxt = 0         # next to send
+        self.snd_end = 0         # one past the last queued
+        self.high_sent = 0       # one past the highest ever sent (to count retransmits)
+        self.last_progress = 0.0
+        self.epsn = 0            # responder: expected sequence number (absolute)
+        self.nak_outstanding = False
+        self.unacked_rx = 0
+        self.msn = 0
+        self.rx_va = 0
+
+    # --- requester ------------------------------------------------------------------
+    def post_write(self, data: bytes, remote_va: int, rkey: int, tag: int) -> None:
+        msg = Message(data, remote_va, rkey, tag)
+        self.segment(msg, self.snd_end)
+        self.snd_end += msg.n_packets
+
+    def pending(self, now: float) -> bool:
+        return self.snd_nxt < self.snd_end and \
+            self.snd_nxt - self.snd_una < self.params.window_packets
+
+    def next_frame(self, now: float) -> bytes:
+        seq = self.snd_nxt
+        msg, i = self.message_of(seq)
+        payload, va = self.chunk(msg, i)
+        last = i == msg.n_packets - 1
+        if msg.n_packets == 1:
+            op, ext = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, reth(va, msg.rkey, len(msg.data)) \
+                + immdt(msg.tag)
+        elif i == 0:
+            op, ext = Opcode.RDMA_WRITE_FIRST, reth(va, msg.rkey, len(msg.data))
+        elif last:
+            op, ext = Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE, immdt(msg.tag)
+        else:
+            op, ext = Opcode.RDMA_WRITE_MIDDLE, b""
+        if self.snd_una == self.snd_nxt:
+            self.last_progress = now     # the RTO runs from the oldest outstanding packet
+        self.snd_nxt += 1
+        self.counters.sent += 1
+        if seq < self.high_sent:
+            self.counters.retransmitted += 1
+        self.high_sent = max(self.high_sent, self.snd_nxt)
+        return self.data_framer.frame(self.sport, op, self.remote_qpn, seq, ackreq=last,
+                                      ext=ext, payload=payload)
+
+    def deadline(self) -> float | None:
+        if self.snd_una < self.snd_nxt:
+            return self.last_progress + self.params.rto_ms / 1000
+        return None
+
+    def on_timer(self, now: float) -> None:
+        if self.snd_una < self.snd_nxt and now >= self.last_progress + self.params.rto_ms / 1000:
+            self.counters.timeouts += 1
+            self.snd_nxt = self.snd_una          # go back N
+            self.last_progress = now
+
+    def _on_ack(self, p: Parsed, now: float) -> None:
+        d = psn_delta(p.psn, self.snd_una)
+        if p.syndrome == AethSyndrome.NAK_PSN_SEQUENCE_ERROR:
+            if 0 <= d <= self.snd_nxt - self.snd_una:
+                self.snd_una += d                 # everything before the NAK'd PSN arrived
+                self.snd_nxt = self.snd_una       # go back N from it
+                self.last_progress = now
+        elif 0 <= d < self.snd_nxt - self.snd_una:
+            self.snd_una += d + 1
+            self.last_progress = now
+        self.retire_acked(self.snd_una)
+
+    # --- responder ------------------------------------------------------------------
+    def on_packet(self, p: Parsed, now: float) -> list[bytes]:
+        if p.opcode == Opcode.ACKNOWLEDGE:
+            self._on_ack(p, now)
+            return []
+        self.counters.received += 1
+        self.counters.ecn_marked += p.ce
+        d = psn_delta(p.psn, self.epsn)
+        if d > 0:
+            self.counters.out_of_order += 1
+            if self.nak_outstanding:
+                return []
+            self.nak_outstanding = True
+            self.counters.naks_sent += 1
+            return [self._response(AethSyndrome.NAK_PSN_SEQUENCE_ERROR, self.epsn)]
+        if d < 0:
+            self.counters.duplicate += 1
+            return [self._response(AethSyndrome.ACK, self.epsn - 1)]
+        self.nak_outstanding = False
+        self._place(p)
+        self.epsn += 1
+        self.unacked_rx += 1
+        if p.ackreq or self.unacked_rx >= self.params.ack_every_packets:
+            self.unacked_rx = 0
+            return [self._response(AethSyndrome.ACK, self.epsn - 1)]
+        return []
+
+    def _place(self, p: Parsed) -> None:
+        if p.opcode in (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY,
+                        Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE):
+            self.rx_va = p.va
+            self.rx_bytes = 0
+        self.region.place(self.rx_va, p.payload)
+        self.rx_va += len(p.payload)
+        self.rx_bytes += len(p.payload)
+        self.counters.bytes_delivered += len(p.payload)
+        if p.imm is not None:                    # LAST/ONLY WITH IMMEDIATE: message complete
+            self.msn += 1
+            self.events.append(("received", p.imm, self.rx_bytes))
+
+    def _response(self, syndrome: int, seq: int) -> bytes:
+        self.counters.acks_sent += syndrome == AethSyndrome.ACK
+        return self.ctrl_framer.frame(self.sport, Opcode.ACKNOWLEDGE, self.remote_qpn, seq,
+                                      ext=aeth(syndrome, self.msn))

@@ -1,0 +1,148 @@
+-- fabriclab_mrc.lua: shows the fabriclab lab's MRC (Multipath Reliable Connection)
+-- convention in Wireshark. The wire format is documented in traffic/packets.py.
+--
+--   wireshark -X lua_script:traffic/wireshark/fabriclab_mrc.lua FILE.pcap
+--   (or copy this file into ~/.local/lib/wireshark/plugins/)
+--
+-- MRC frames are RoCE v2, so Wireshark's InfiniBand dissector already decodes the
+-- BTH, RETH and ImmDt; it shows the SACK opcode (0xC1, manufacturer-specific) as
+-- "Unknown" with the rest as vendor data. This is therefore a postdissector: it
+-- runs after InfiniBand, reads that dissector's fields, and adds
+--   * on a SACK: the 16-byte SACKX header that follows the BTH;
+--   * on an MRC data packet: the immediate read as message id and packets in the
+--     message, a lab convention and not standard RDMA. MRC data is an RDMA WRITE ONLY
+--     WITH IMMEDIATE that does not ask for an ACK; an RC one ends a message and does.
+
+-- The values of traffic/constants.py that this file needs (Lua cannot import them).
+local ROCE_V2_UDP_PORT = 4791
+local OPCODE_MRC_DATA = 0x0B        -- Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
+local OPCODE_MRC_SACK = 0xC1        -- Opcode.MRC_SACK
+local BTH_BYTES = 12
+local ICRC_BYTES = 4
+local SACKX_BYTES = 16              -- MRC_SACKX_BYTES
+local BITMAP_BITS = 64              -- MRC_SACK_BITMAP_BITS
+local FLAG_ECN_ECHO = 0x01          -- MRC_SACK_FLAG_ECN_ECHO
+local PSN_MODULUS = 0x1000000       -- an integer in every Lua, unlike 2 ^ 24
+
+local mrc = Proto("fabriclab_mrc", "fabriclab MRC (Multipath Reliable Connection)")
+
+local pf = {
+    msg_id = ProtoField.uint16("fabriclab_mrc.msg_id", "Message ID", base.DEC),
+    msg_packets = ProtoField.uint16("fabriclab_mrc.msg_packets", "Packets in message", base.DEC),
+    cum_psn = ProtoField.uint24("fabriclab_mrc.sack.cum_psn", "Cumulative ACK (next PSN expected)",
+                                base.DEC),
+    bitmap = ProtoField.uint64("fabriclab_mrc.sack.bitmap", "Bitmap", base.HEX),
+    acked_psn = ProtoField.uint24("fabriclab_mrc.sack.acked_psn", "PSN arrived", base.DEC),
+    ev = ProtoField.uint16("fabriclab_mrc.sack.ev", "Entropy value (UDP source port of the data)",
+                           base.DEC),
+    flags = ProtoField.uint8("fabriclab_mrc.sack.flags", "Flags", base.HEX),
+    ecn_echo = ProtoField.bool("fabriclab_mrc.sack.ecn_echo", "ECN echo (data arrived CE-marked)",
+                               8, nil, FLAG_ECN_ECHO),
+    reserved = ProtoField.uint8("fabriclab_mrc.sack.reserved", "Reserved", base.HEX),
+    credit_psn = ProtoField.uint32("fabriclab_mrc.sack.credit_psn",
+                                   "Credit PSN (the sender may send PSNs below it)", base.DEC),
+}
+mrc.fields = pf
+
+local truncated = ProtoExpert.new("fabriclab_mrc.sack.truncated", "SACKX header truncated",
+                                  expert.group.MALFORMED, expert.severity.ERROR)
+mrc.experts = { truncated }
+
+local f_udp_srcport = Field.new("udp.srcport")
+local f_udp_dstport = Field.new("udp.dstport")
+local f_infiniband = Field.new("infiniband")
+local f_bth = Field.new("infiniband.bth")
+local f_opcode = Field.new("infiniband.bth.opcode")
+local f_destqp = Field.new("infiniband.bth.destqp")
+local f_ackreq = Field.new("infiniband.bth.a")
+local f_psn = Field.new("infiniband.bth.psn")
+local f_immdt = Field.new("infiniband.immdt")
+
+-- The UDP source port of the header that carried RoCE v2, or nil when the
+-- InfiniBand layer came by another way. Ports pair up by position, so a tunnel's
+-- outer UDP header does not confuse them.
+local function roce_v2_source_port()
+    local sports, dports = { f_udp_srcport() }, { f_udp_dstport() }
+    for i, dport in ipairs(dports) do
+        if dport.value == ROCE_V2_UDP_PORT then
+            return sports[i].value
+        end
+    end
+    return nil
+end
+
+local function dissect_data(pinfo, tree, ev)
+    local immdt = f_immdt()
+    if not immdt or f_ackreq().value then
+        return
+    end
+    local imm = immdt.range
+    local id, count = imm:range(0, 2), imm:range(2, 2)
+    local subtree = tree:add(mrc, imm, "fabriclab MRC data")
+    subtree:add(pf.msg_id, id)
+    subtree:add(pf.msg_packets, count)
+    pinfo.cols.info:append(string.format(" [MRC msg %d, %d packets, EV %d]",
+                                         id:uint(), count:uint(), ev))
+end
+
+-- The PSNs a bitmap acknowledges: bit i (least significant = 0) is PSN cum + 1 + i.
+local function sacked_psns(bitmap, cum_psn)
+    local psns = {}
+    for i = 0, BITMAP_BITS - 1 do
+        if bitmap:rshift(i):band(1):tonumber() == 1 then
+            psns[#psns + 1] = (cum_psn + 1 + i) % PSN_MODULUS
+        end
+    end
+    return psns
+end
+
+local function dissect_sack(pinfo, tree)
+    local ib, bth, psn = f_infiniband(), f_bth(), f_psn()
+    -- The SACKX follows the BTH in the buffer the BTH was read from, and the ICRC
+    -- follows the SACKX at the end of the InfiniBand packet (the UDP payload).
+    local source, offset = bth.source, bth.offset + BTH_BYTES
+    if ib.offset + ib.len < offset + SACKX_BYTES + ICRC_BYTES then
+        tree:add(mrc, bth.range, "fabriclab MRC SACK"):add_proto_expert_info(truncated)
+        return
+    end
+    local sackx = source:range(offset, SACKX_BYTES)
+    local subtree = tree:add(mrc, sackx, "fabriclab MRC SACK")
+    subtree:add(pf.cum_psn, psn.range)
+
+    local bitmap_range = sackx:range(0, 8)
+    local bitmap_item = subtree:add(pf.bitmap, bitmap_range)
+    local psns = sacked_psns(bitmap_range:uint64(), psn.value)
+    for _, sacked in ipairs(psns) do
+        bitmap_item:add(pf.acked_psn, bitmap_range, sacked):set_generated()
+    end
+    local psn_list = #psns > 0 and table.concat(psns, ", ") or "none"
+    bitmap_item:append_text(" (PSNs arrived: " .. psn_list .. ")")
+
+    subtree:add(pf.ev, sackx:range(8, 2))
+    subtree:add(pf.flags, sackx:range(10, 1)):add(pf.ecn_echo, sackx:range(10, 1))
+    subtree:add(pf.reserved, sackx:range(11, 1))
+    subtree:add(pf.credit_psn, sackx:range(12, 4))
+
+    -- A one-bit test by arithmetic: Lua 5.2 and 5.4 share no bit operators.
+    local ecn_echo = math.floor(sackx:range(10, 1):uint() / FLAG_ECN_ECHO) % 2 == 1
+    pinfo.cols.info:set(string.format("MRC SACK QP=0x%06x cum PSN %d, then arrived: %s, EV %d%s, "
+                                      .. "credit PSN %d",
+                                      f_destqp().value, psn.value, psn_list,
+                                      sackx:range(8, 2):uint(), ecn_echo and ", ECN echo" or "",
+                                      sackx:range(12, 4):uint()))
+end
+
+function mrc.dissector(tvb, pinfo, tree)
+    local opcode = f_opcode()
+    local sport = opcode and roce_v2_source_port()
+    if not sport then
+        return
+    end
+    if opcode.value == OPCODE_MRC_SACK then
+        dissect_sack(pinfo, tree)
+    elseif opcode.value == OPCODE_MRC_DATA then
+        dissect_data(pinfo, tree, sport)   -- a data packet's source port is its EV
+    end
+end
+
+register_postdissector(mrc)

@@ -30,6 +30,7 @@ from os_ken.ofproto import ether, ofproto_v1_5
 
 from controllers.routes import Deliver, Forward, arp_table, routes_for
 from topologies.fabric import Fabric
+from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, ROCE_V2_UDP_PORT
 
 cfg.CONF.register_cli_opts([
     cfg.StrOpt("fabric-file", help="fabric description (JSON) written by the lab"),
@@ -43,6 +44,7 @@ NTR_SELECTION_METHOD = 1
 ECMP_SELECTION_METHOD = b"dp_hash"
 
 PRIORITY_HOST = 300
+PRIORITY_EXPLICIT_EV = 250     # a RoCE packet whose source port names its path
 PRIORITY_SUBNET = 200
 PRIORITY_ARP = 100
 
@@ -139,6 +141,7 @@ class FabricRouter(app_manager.OSKenApp):
                 self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
                               [parser.OFPActionDecNwTtl(),
                                parser.OFPActionGroup(groups[route.ports])])
+                self.add_explicit_paths(dp, route)
         self.add_flow(dp, PRIORITY_ARP, parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP),
                       [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)])
         self.pending_barrier.add(dp.id)
@@ -165,11 +168,20 @@ class FabricRouter(app_manager.OSKenApp):
             buckets=buckets,
             properties=[selection_method_property(parser, ECMP_SELECTION_METHOD)]))
 
+    def add_explicit_paths(self, dp, route: Forward) -> None:
+        """EV explicit mode: source port EXPLICIT_EV_BASE + i -> the i-th equal-cost port."""
+        parser = dp.ofproto_parser
+        for i, port in enumerate(route.ports[:EXPLICIT_EV_MAX_PATHS]):
+            match = self.subnet_match(parser, route, ip_proto=17, udp_dst=ROCE_V2_UDP_PORT,
+                                      udp_src=EXPLICIT_EV_BASE + i)
+            self.add_flow(dp, PRIORITY_EXPLICIT_EV, match,
+                          [parser.OFPActionDecNwTtl(), parser.OFPActionOutput(port)])
+
     @staticmethod
-    def subnet_match(parser, route: Forward):
+    def subnet_match(parser, route: Forward, **more):
         net = ipaddress.ip_network(route.cidr)
         return parser.OFPMatch(eth_type=ether.ETH_TYPE_IP,
-                               ipv4_dst=(str(net.network_address), str(net.netmask)))
+                               ipv4_dst=(str(net.network_address), str(net.netmask)), **more)
 
     @staticmethod
     def add_flow(dp, priority: int, match, actions) -> None:

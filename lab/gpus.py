@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controllers.routes import Forward, routes_for
 from lab import state
 from lab.errors import LabError
 from lab.network import FabricNetwork
 from topologies.fabric import Fabric, Host
+from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
 def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
@@ -29,6 +31,14 @@ def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
     if fabric.subnet_of(d.ip) is subnet or subnet.gateway_mac is None:
         return d.mac
     return subnet.gateway_mac
+
+
+def explicit_evs(fabric: Fabric, host: Host) -> list[int]:
+    """EV explicit mode: one entropy value per equal-cost uplink of the host's switch
+    (the controller maps EXPLICIT_EV_BASE + i to the i-th of them)."""
+    routes = routes_for(fabric)[host.interface().switch]
+    paths = max((len(r.ports) for r in routes if isinstance(r, Forward)), default=1)
+    return [EXPLICIT_EV_BASE + i for i in range(min(paths, EXPLICIT_EV_MAX_PATHS))]
 
 
 @dataclass
@@ -84,29 +94,59 @@ class GpuAgents:
             raise LabError(f"GPU agent on {host}: expected {event}, got {msg.get('event')}")
         return msg
 
-    def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
-                  params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
-        if len(data) != len(self.hosts):
-            raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
+    def _peers(self, h: Host) -> list[dict]:
+        return [{"rank": r, "ip": p.interface(self.network).ip,
+                 "next_hop_mac": next_hop_mac(self.fabric, h, p, self.network)}
+                for r, p in enumerate(self.hosts) if p is not h]
+
+    def _run(self, commands: dict[str, dict], timeout_s: float) -> dict[str, dict]:
+        """prepare on every host, wait until all are ready, start, collect."""
         cid = self.next_id
         self.next_id += 1
         for rank, h in enumerate(self.hosts):
-            peers = [{"rank": r, "ip": p.interface(self.network).ip,
-                      "next_hop_mac": next_hop_mac(self.fabric, h, p, self.network)}
-                     for r, p in enumerate(self.hosts) if p is not h]
-            self._send(h.name, cmd="prepare", id=cid, collective="allreduce", op=op,
-                       transport=transport, rank=rank, peers=peers, params=params or {},
-                       timeout_s=timeout_s,
-                       data=base64.b64encode(data[rank].astype(np.float32).tobytes()).decode())
+            self._send(h.name, cmd="prepare", id=cid, rank=rank, peers=self._peers(h),
+                       timeout_s=timeout_s, **commands[h.name])
         for h in self.hosts:
             self._expect(h.name, "ready", timeout_s=30)
         for h in self.hosts:
             self._send(h.name, cmd="start", id=cid)
-        done = [self._expect(h.name, "done", timeout_s + 10) for h in self.hosts]
+        return {h.name: self._expect(h.name, "done", timeout_s + 10) for h in self.hosts}
+
+    def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
+                  params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
+        if len(data) != len(self.hosts):
+            raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
+        done = self._run({h.name: dict(collective="allreduce", op=op, transport=transport,
+                                       params=params or {},
+                                       data=base64.b64encode(d.astype(np.float32).tobytes())
+                                       .decode())
+                          for h, d in zip(self.hosts, data)}, timeout_s).values()
         return CollectiveResult(
             results=[np.frombuffer(base64.b64decode(d["result"]), np.float32) for d in done],
             elapsed_s=[d["elapsed_s"] for d in done],
             counters=[d["counters"] for d in done], nic=[d["nic"] for d in done])
+
+    def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
+                  params: dict | None = None, timeout_s: float = 120.0) -> list[dict]:
+        """Send one message per (src, dst, nbytes) flow, all at once; return per flow:
+        completion time, and whether the receiver's CRC-32 matches the sender's."""
+        rank = {h.name: r for r, h in enumerate(self.hosts)}
+        cmds = {h.name: dict(collective="transfers", transport=transport, params=params or {},
+                             send=[], recv=[]) for h in self.hosts}
+        for src, dst, nbytes in flows:
+            offset = sum(r["bytes"] for r in cmds[dst]["recv"])
+            cmds[dst]["recv"].append({"rank": rank[src], "bytes": nbytes, "offset": offset})
+            cmds[src]["send"].append({"rank": rank[dst], "bytes": nbytes, "offset": offset})
+        done = self._run(cmds, timeout_s)
+        out = []
+        for src, dst, nbytes in flows:
+            s, d = done[src], done[dst]
+            out.append({"src": src, "dst": dst, "bytes": nbytes,
+                        "completion_s": s["finished_at"][str(rank[dst])],
+                        "intact": s["sent_crc"][str(rank[dst])] ==
+                        d["recv_crc"].get(str(rank[src])),
+                        "counters": s["counters"], "evs": s.get("evs", {})})
+        return out
 
     def close(self) -> None:
         for name, proc in self.procs.items():

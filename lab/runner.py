@@ -2,6 +2,7 @@
 
 An experiment is a module in lab/experiments/ with
     NAME, DESCRIPTION
+    TOPOLOGY_DEFAULTS      optional: {topology: {param: value}}, the fabric it suggests
     Params                 a dataclass (its `topology` field picks the fabric)
     run(ctx) -> dict       drives the fabric, returns measurements
     claims(params, metrics) -> list[Claim]   physical claims checked from them
@@ -111,6 +112,9 @@ def split_settings(mod, settings: list[str]):
             raise UsageError(f"unknown --set key {key!r}: experiment {mod.NAME} takes "
                              f"{', '.join(exp_fields)}; topology {params.topology} takes "
                              f"{', '.join(sorted(topo_fields))}")
+    # an experiment may suggest a fabric shape; what the user sets wins
+    suggested = getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(params.topology, {})
+    topo_values = {**suggested, **topo_values}
     try:
         topo_params = make_params(params.topology, **topo_values)
     except ParamError as e:

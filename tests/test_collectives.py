@@ -36,3 +36,26 @@ def test_allreduce_experiment_checks_its_claims(tmp_path):
     assert m["passed"] and m["metrics"]["n"] == 6
     assert m["metrics"]["time_s"] >= m["metrics"]["model_time_s"] > 0
     assert 0 < m["metrics"]["busbw_over_link"] < 1.0
+
+
+def test_ecmp_vs_spray(tmp_path):
+    out = tmp_path / "ev"
+    r = fabriclab("run", "ecmp-vs-spray", "--set", "flow_mb=1", "--out", str(out))
+    m = json.loads((out / "metrics.json").read_text())
+    assert r.returncode == 0, r.stdout + r.stderr
+    mx = m["metrics"]
+    spread = mx["mrc_explicit"]["bytes_per_spine_uplink"]
+    assert len(spread) == 4 and min(spread) > 0.9 * sum(spread) / 4
+    # RC data crossed the uplinks as often as it was resent: never less than the payload
+    assert sum(mx["rc"]["bytes_per_spine_uplink"]) >= 8 * 1e6
+
+
+@pytest.mark.parametrize("loss,mb", [("1", "2"), ("4", "1")])   # ~20 and ~40 losses expected
+def test_loss_recovery(tmp_path, loss, mb):
+    out = tmp_path / "lr"
+    r = fabriclab("run", "loss-recovery", "--set", f"loss_percent={loss}", "--set",
+                  f"flow_mb={mb}", "--out", str(out))
+    m = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert m["mrc"]["retransmitted_packets"] == m["mrc"]["lost_packets"] > 0
+    assert m["rc"]["retransmitted_packets"] > m["rc"]["lost_packets"] > 0

@@ -9,7 +9,7 @@ import pytest
 
 from traffic.constants import PSN_MODULUS
 from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
-from traffic.nic import Nic
+from traffic.nic import Nic, SocketWire
 from traffic.qp import Region
 from traffic.rc import RcParams, RcQP
 from traffic.roce import BTH_OFFSET, Path, parse
@@ -18,32 +18,17 @@ A = Path("02:fa:00:00:00:00", "02:fa:00:00:00:01", "10.1.0.1", "10.1.0.2")
 B = Path("02:fa:00:00:00:01", "02:fa:00:00:00:00", "10.1.0.2", "10.1.0.1")
 
 
-class MemoryWire:
+class MemoryWire(SocketWire):
     """One end of an in-memory link; `drop(frame)` decides losses on the way out."""
 
     def __init__(self, sock, drop=lambda frame: False):
-        self.sock, self.drop = sock, drop
-        self.sock.setblocking(False)
+        super().__init__(sock)
+        self.drop = drop
         self.sent_ports = []
 
-    def fileno(self):
-        return self.sock.fileno()
-
     def send(self, frame):
-        p = parse(frame, EXT_BYTES)
-        self.sent_ports.append(p.sport)
-        if not self.drop(frame):
-            self.sock.send(frame)
-        return True
-
-    def recv_all(self, limit=256):
-        out = []
-        for _ in range(limit):
-            try:
-                out.append(self.sock.recv(4096))
-            except BlockingIOError:
-                break
-        return out
+        self.sent_ports.append(parse(frame, EXT_BYTES).sport)
+        return True if self.drop(frame) else super().send(frame)
 
 
 def link(drop_ab=lambda f: False):

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from traffic.collectives import RingAllReduce
+from traffic.collectives import RingAllReduce, Transfers
 from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
 from traffic.nic import Nic, PacketWire
 from traffic.qp import Region
@@ -50,28 +50,40 @@ class Agent:
 
     def prepare(self, cmd: dict) -> None:
         cid, rank = cmd["id"], cmd["rank"]
-        n = len(cmd["peers"]) + 1
-        data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32)
         qp_cls, params_cls = TRANSPORTS[cmd["transport"]]
         params = params_cls(**cmd.get("params", {}))
         peers = {p["rank"]: p for p in cmd["peers"]}
         self.nic.qps.clear()
         self.nic.rr.clear()
-        region = Region(rkey=cid, buf=bytearray(RingAllReduce.region_bytes(len(data), n)),
-                        base_va=REGION_VA)
+        qps = {}
 
-        def qp_to(peer_rank: int, rx_region):
-            p = peers[peer_rank]
-            path = Path(self.mac, p["next_hop_mac"], self.ip, p["ip"])
-            return self.nic.add(qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank),
-                                       rx_region, params))
+        def qp_to(peer_rank: int, region: Region):
+            if peer_rank not in qps:
+                p = peers[peer_rank]
+                path = Path(self.mac, p["next_hop_mac"], self.ip, p["ip"])
+                qps[peer_rank] = self.nic.add(qp_cls(path, qpn_for(cid, peer_rank),
+                                                     qpn_for(cid, rank), region, params))
+            return qps[peer_rank]
 
-        if cmd["collective"] != "allreduce":
+        if cmd["collective"] == "allreduce":
+            n = len(peers) + 1
+            data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32)
+            region = Region(rkey=cid, buf=bytearray(RingAllReduce.region_bytes(len(data), n)),
+                            base_va=REGION_VA)
+            right, left = qp_to((rank + 1) % n, region), qp_to((rank - 1) % n, region)
+            algo = RingAllReduce(rank, n, data, right, left, region, REGION_VA, cid)
+        elif cmd["collective"] == "transfers":
+            # recv: [{"rank", "bytes", "offset"}]: where each peer's message lands here;
+            # send: [{"rank", "bytes", "offset"}]: where ours lands in the peer's region.
+            size = max([r["offset"] + r["bytes"] for r in cmd["recv"]] + [1])
+            region = Region(rkey=cid, buf=bytearray(size), base_va=REGION_VA)
+            recvs = {r["rank"]: (qp_to(r["rank"], region), r["offset"], r["bytes"])
+                     for r in cmd["recv"]}
+            sends = {s["rank"]: (qp_to(s["rank"], region), s["bytes"], REGION_VA + s["offset"],
+                                 cid) for s in cmd["send"]}
+            algo = Transfers(rank, sends, recvs, region)
+        else:
             raise ValueError(f"unknown collective {cmd['collective']!r}")
-        right_rank, left_rank = (rank + 1) % n, (rank - 1) % n
-        right = qp_to(right_rank, region if right_rank == left_rank else None)
-        left = right if right_rank == left_rank else qp_to(left_rank, region)
-        algo = RingAllReduce(rank, n, data, right, left, region, REGION_VA, cid)
         op = cmd.get("op", "sum")
         if op not in ("sum", "mean"):
             raise ValueError(f"unknown reduction {op!r} (sum or mean)")
@@ -81,24 +93,26 @@ class Agent:
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending
         t0 = time.monotonic()
-        algo.start()
+        algo.start(t0)
 
         def done() -> bool:
+            now = time.monotonic()
             for qp in self.nic.qps.values():
                 while qp.events:
-                    algo.on_event(qp, qp.events.pop(0))
+                    algo.on_event(qp, qp.events.pop(0), now)
             return algo.done()
 
         ok = self.nic.run_until(done, timeout_s)
         elapsed = time.monotonic() - t0
         # linger briefly so the peers' last ACKs/SACKs we owe them go out
         self.nic.run_until(lambda: False, 0.02)
-        result = algo.buf / algo.n if op == "mean" else algo.buf
         self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed,
-                  result=base64.b64encode(result.astype(np.float32).tobytes()).decode(),
                   counters={f"{qp.kind}:{qpn:#x}": qp.counters.as_dict()
                             for qpn, qp in self.nic.qps.items()},
-                  nic={"malformed": self.nic.malformed, "unknown_qp": self.nic.unknown_qp})
+                  evs={f"{qpn:#x}": qp.ev_report() for qpn, qp in self.nic.qps.items()
+                       if hasattr(qp, "ev_report")},
+                  nic={"malformed": self.nic.malformed, "unknown_qp": self.nic.unknown_qp},
+                  **algo.report(op))
         self.pending = None
 
     def serve(self) -> None:

@@ -13,6 +13,9 @@ chunks around the ring the same way.
 """
 from __future__ import annotations
 
+import base64
+import zlib
+
 import numpy as np
 
 from traffic.qp import QueuePair, Region
@@ -52,7 +55,7 @@ class RingAllReduce:
         return (self.rank - s - 1) % self.n if s < self.n - 1 else \
             (self.rank - (s - (self.n - 1))) % self.n
 
-    def start(self) -> None:
+    def start(self, now: float) -> None:
         if self.n > 1:
             self._post(0)
 
@@ -61,7 +64,7 @@ class RingAllReduce:
         self.right.post_write(self.buf[lo:hi].tobytes(), self.peer_va + s * self.slot_bytes,
                               self.peer_rkey, tag=s)
 
-    def on_event(self, qp: QueuePair, event: tuple) -> None:
+    def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
         kind, tag = event[0], event[1]
         if kind == "sent" and qp is self.right:
             self.sent_acked += 1
@@ -80,3 +83,53 @@ class RingAllReduce:
 
     def done(self) -> bool:
         return self.received == self.steps and self.sent_acked == self.steps
+
+    def report(self, op: str) -> dict:
+        result = self.buf / self.n if op == "mean" else self.buf
+        return {"result": base64.b64encode(result.astype(np.float32).tobytes()).decode()}
+
+
+def pattern_bytes(src_rank: int, dst_rank: int, nbytes: int) -> bytes:
+    """Reproducible payload of the message src -> dst (so integrity is checkable)."""
+    return np.random.default_rng([src_rank, dst_rank]).bytes(nbytes)
+
+
+class Transfers:
+    """Point-to-point messages: one to each peer in `sends`, one expected from each
+    peer in `recvs` (incast, all-to-all, long flows). Each message's CRC-32 is
+    recorded on both ends, so the lab can check every byte arrived intact."""
+
+    def __init__(self, rank: int, sends: dict[int, tuple[QueuePair, int, int, int]],
+                 recvs: dict[int, tuple[QueuePair, int, int]], region: Region):
+        self.rank = rank
+        self.sends = sends        # peer -> (qp, nbytes, remote_va, rkey)
+        self.recvs = recvs        # peer -> (qp, offset in region, nbytes)
+        self.region = region
+        self.by_qp = {id(qp): peer for peer, (qp, *_) in sends.items()}
+        self.by_qp.update({id(qp): peer for peer, (qp, *_) in recvs.items()})
+        self.sent_crc: dict[int, int] = {}
+        self.recv_crc: dict[int, int] = {}
+        self.finished_at: dict[int, float] = {}
+        self.t0 = 0.0
+
+    def start(self, now: float) -> None:
+        self.t0 = now
+        for peer, (qp, nbytes, va, rkey) in self.sends.items():
+            data = pattern_bytes(self.rank, peer, nbytes)
+            self.sent_crc[peer] = zlib.crc32(data)
+            qp.post_write(data, va, rkey, tag=self.rank)
+
+    def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
+        peer = self.by_qp.get(id(qp))
+        if event[0] == "sent" and peer in self.sends:
+            self.finished_at[peer] = now - self.t0
+        elif event[0] == "received" and peer in self.recvs:
+            _, off, nbytes = self.recvs[peer]
+            self.recv_crc[peer] = zlib.crc32(self.region.buf[off:off + nbytes])
+
+    def done(self) -> bool:
+        return len(self.finished_at) == len(self.sends) and len(self.recv_crc) == len(self.recvs)
+
+    def report(self, op: str) -> dict:
+        return {"sent_crc": self.sent_crc, "recv_crc": self.recv_crc,
+                "finished_at": self.finished_at}

@@ -99,3 +99,10 @@ MAC_CONTROL_OPCODE_PFC = 0x0101     # 802.1Qbb class-based flow control: per pri
 PFC_PRIORITY_COUNT = 8
 PAUSE_QUANTUM_BIT_TIMES = 512       # one pause quantum lasts 512 bit times at link speed
 PAUSE_QUANTA_MAX = 0xFFFF           # pause_time fields are 16-bit
+
+# --- Entropy values (EVs) in explicit mode ------------------------------------
+# UDP source port EXPLICIT_EV_BASE + i takes the i-th of a switch's equal-cost
+# ports (sorted by port number) toward any remote subnet: the controller installs
+# that mapping, so a sender picks its path instead of leaving it to the hash.
+EXPLICIT_EV_BASE = 0xE000
+EXPLICIT_EV_MAX_PATHS = 64

@@ -44,7 +44,8 @@ class MrcParams:
     max_cwnd_packets: float = 1024.0
     decrease_factor: float = 0.7
     target_delay_ms: float = 5.0       # queueing delay above the base RTT that counts as congestion
-    ev_fail_losses: int = 3            # losses on one EV (without a success between) to retire it
+    ev_fail_losses: int = 8            # losses on one EV (without a success between) to retire it:
+                                       # a dead path loses every packet; a congested one, some
     ev_probe_after_ms: float = 100.0
     credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
 

@@ -10,6 +10,7 @@ own packets.
 from __future__ import annotations
 
 import collections
+import errno
 import select
 import socket
 import time
@@ -24,20 +25,12 @@ SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name 
 ETH_FRAME_OVERHEAD_BYTES = 24     # preamble, SFD, FCS, inter-frame gap: time on the wire
 
 
-class PacketWire:
-    """A raw AF_PACKET socket on one interface (inside the caller's namespace)."""
+class SocketWire:
+    """A wire over a non-blocking datagram socket: one frame per datagram."""
 
-    def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
-        self.sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
-        self.sock.bind((intf, 0))
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
         self.sock.setblocking(False)
-        # The host kernel also sees the UDP 4791 frames; holding the port stops it
-        # answering each with an ICMP port unreachable. Nothing reads this socket.
-        self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.holder.bind(("0.0.0.0", 4791))
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -46,8 +39,8 @@ class PacketWire:
         try:
             self.sock.send(frame)
             return True
-        except (BlockingIOError, OSError) as e:
-            if getattr(e, "errno", None) in (11, 105):    # EAGAIN, ENOBUFS: queue full
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.ENOBUFS):   # queue full: try again later
                 return False
             raise
 
@@ -59,6 +52,22 @@ class PacketWire:
             except BlockingIOError:
                 break
         return out
+
+
+class PacketWire(SocketWire):
+    """A raw AF_PACKET socket on one interface (inside the caller's namespace)."""
+
+    def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
+        sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
+        sock.bind((intf, 0))
+        super().__init__(sock)
+        # The host kernel also sees the UDP 4791 frames; holding the port stops it
+        # answering each with an ICMP port unreachable. Nothing reads this socket.
+        self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.holder.bind(("0.0.0.0", 4791))
 
     def close(self) -> None:
         self.sock.close()

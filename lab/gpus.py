@@ -145,7 +145,8 @@ class GpuAgents:
                         "completion_s": s["finished_at"][str(rank[dst])],
                         "intact": s["sent_crc"][str(rank[dst])] ==
                         d["recv_crc"].get(str(rank[src])),
-                        "counters": s["counters"], "evs": s.get("evs", {})})
+                        "counters": s["counters"], "receiver_counters": d["counters"],
+                        "evs": s.get("evs", {})})
         return out
 
     def close(self) -> None:

@@ -21,22 +21,22 @@ B = Path("02:fa:00:00:00:01", "02:fa:00:00:00:00", "10.1.0.2", "10.1.0.1")
 class MemoryWire(SocketWire):
     """One end of an in-memory link; `drop(frame)` decides losses on the way out."""
 
-    def __init__(self, sock, drop=lambda frame: False):
+    def __init__(self, sock, drop=lambda frame: False, mark=lambda frame: frame):
         super().__init__(sock)
-        self.drop = drop
+        self.drop, self.mark = drop, mark
         self.sent_ports = []
 
     def send(self, frame):
         self.sent_ports.append(parse(frame, EXT_BYTES).sport)
-        return True if self.drop(frame) else super().send(frame)
+        return True if self.drop(frame) else super().send(self.mark(frame))
 
 
-def link(drop_ab=lambda f: False):
+def link(drop_ab=lambda f: False, mark_ab=lambda f: f):
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     for s in (sa, sb):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    return MemoryWire(sa, drop_ab), MemoryWire(sb)
+    return MemoryWire(sa, drop_ab, mark_ab), MemoryWire(sb)
 
 
 def pump(nics, done, timeout_s=20.0):
@@ -50,8 +50,8 @@ def pump(nics, done, timeout_s=20.0):
             nic.timers(now)
 
 
-def pair(kind, drop=lambda f: False, **params):
-    wa, wb = link(drop)
+def pair(kind, drop=lambda f: False, mark=lambda f: f, **params):
+    wa, wb = link(drop, mark)
     nic_a, nic_b = Nic(wa, 800, EXT_BYTES), Nic(wb, 800, EXT_BYTES)
     region = Region(rkey=7, buf=bytearray(1 << 20))
     cls, pcls = (RcQP, RcParams) if kind == "rc" else (MrcQP, MrcParams)
@@ -189,3 +189,75 @@ def test_receiver_survives_malformed_input(kind):
     # leave a valid frame: a duplicate. Nothing else was taken as data.
     assert qb.counters.received - qb.counters.duplicate == len(good)
     assert qb.counters.bytes_delivered == 20_000 and bytes(region.buf[:20_000]) == data
+
+
+# --- DCQCN -----------------------------------------------------------------------
+from traffic.dcqcn import DcqcnParams, NotificationPoint, ReactionPoint  # noqa: E402
+
+
+def test_dcqcn_reaction_point_cuts_then_recovers():
+    p = DcqcnParams()                        # real time constants, 100 Gb/s line
+    rp = ReactionPoint(100e9, p, now=0.0)
+    rp.on_cnp(0.0)
+    assert rp.rc == pytest.approx(50e9)      # alpha starts at 1: the first cut halves
+    assert rp.alpha == pytest.approx(1 - p.g + p.g)
+    for _ in range(3):
+        rp.on_cnp(0.0)
+    cut = rp.rc
+    assert cut < 10e9
+    t = 0.0
+    for _ in range(p.fast_recovery_events):   # fast recovery halves the gap to Rt each event
+        t += p.rate_timer_s
+        rp.tick(t)
+    assert cut < rp.rc < rp.rt
+    rp.tick(t + 2000 * p.rate_timer_s)        # additive then hyper increase: back at line rate
+    assert rp.rc == pytest.approx(100e9)
+    assert rp.alpha < 0.001                  # no CNPs: alpha decayed
+
+
+def test_dcqcn_time_constants_stretch_with_the_rate_scale():
+    p = DcqcnParams().at_scale(1000)
+    assert p.alpha_timer_s == pytest.approx(55e-3) and p.cnp_interval_s == pytest.approx(50e-3)
+
+
+def test_notification_point_sends_at_most_one_cnp_per_interval():
+    np_ = NotificationPoint(DcqcnParams(cnp_interval_s=0.01))
+    sent = [np_.should_notify(True, t / 1000) for t in range(100)]   # CE every ms for 100 ms
+    assert sum(sent) == 10
+    assert not np_.should_notify(False, 1.0)
+
+
+def mark_ce(frame):
+    """What a congested switch does (issue 4): set CE in the IP ECN field (which the
+    ICRC leaves out, so the frame stays valid)."""
+    f = bytearray(frame)
+    f[15] |= 0b11
+    return bytes(f)
+
+
+def test_rc_sender_slows_down_when_the_fabric_marks_ce():
+    nic_a, nic_b, qa, qb, region = pair("rc", mark=mark_ce, line_rate_mbps=800, rate_scale=10)
+    data = os.urandom(400_000)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    assert qb.counters.ecn_marked == qb.counters.received
+    assert qb.counters.cnps_sent > 0 and qa.counters.cnps_received == qb.counters.cnps_sent
+    assert qa.rate_bps < 800e6 * 0.6          # cut well below the line rate
+
+
+def test_rc_sender_keeps_line_rate_without_marks():
+    nic_a, nic_b, qa, qb, region = pair("rc", line_rate_mbps=800, rate_scale=10)
+    qa.post_write(os.urandom(400_000), region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], qa.idle)
+    assert qb.counters.cnps_sent == 0 and qa.rate_bps == pytest.approx(800e6)
+
+
+def test_mrc_window_shrinks_on_ecn_echo():
+    nic_a, nic_b, qa, qb, region = pair("mrc", mark=mark_ce)
+    data = os.urandom(300_000)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.ecn_echoes == qb.counters.received      # every SACK echoed the CE mark
+    assert qa.cwnd < MrcParams().init_cwnd_packets / 2

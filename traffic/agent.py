@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import sys
 import time
@@ -51,7 +52,10 @@ class Agent:
     def prepare(self, cmd: dict) -> None:
         cid, rank = cmd["id"], cmd["rank"]
         qp_cls, params_cls = TRANSPORTS[cmd["transport"]]
-        params = params_cls(**cmd.get("params", {}))
+        given = dict(cmd.get("params", {}))
+        if "line_rate_mbps" in {f.name for f in dataclasses.fields(params_cls)}:
+            given.setdefault("line_rate_mbps", self.nic.rate_bps / 1e6)
+        params = params_cls(**given)
         peers = {p["rank"]: p for p in cmd["peers"]}
         self.nic.qps.clear()
         self.nic.rr.clear()

@@ -38,7 +38,8 @@ class MrcParams:
     evs: tuple[int, ...] = tuple(range(0xF000, 0xF008))
     min_active_evs: int = 2
     reorder_packets: int = 16
-    rto_ms: float = 50.0
+    rto_ms: float = 100.0              # above a busy host's scheduling stalls: a spurious timeout
+                                       # resends packets that were not lost
     init_cwnd_packets: float = 64.0
     min_cwnd_packets: float = 4.0
     max_cwnd_packets: float = 1024.0

@@ -155,6 +155,9 @@ class Nic:
                     wake = min(wake, dl)
         if self.stalled is not None or any(qp.pending(now) for qp in self.qps.values()):
             wake = min(wake, max(self.next_tx, now))
+        for qp in self.qps.values():       # a QP held back by its own rate (DCQCN)
+            if qp.paced(now) and not qp.idle():
+                wake = min(wake, qp.next_tx)
         return wake
 
     def run_until(self, done: Callable[[], bool], timeout_s: float,

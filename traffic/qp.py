@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from traffic.constants import DSCP_ROCE_DATA, PSN_MODULUS, Ecn
+from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, PSN_MODULUS, Ecn
 from traffic.roce import Framer, Path, udp_sport_for_qp
 
 HALF_PSN_SPACE = PSN_MODULUS // 2
@@ -32,6 +32,8 @@ class Counters:
     naks_sent: int = 0
     timeouts: int = 0
     ecn_marked: int = 0
+    cnps_sent: int = 0
+    cnps_received: int = 0
     bytes_delivered: int = 0
 
     def as_dict(self) -> dict:
@@ -71,6 +73,9 @@ class QueuePair:
         self.qpn, self.remote_qpn = qpn, remote_qpn
         self.data_framer = Framer(path, DSCP_ROCE_DATA, Ecn.ECT_0)
         self.ctrl_framer = Framer(path, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+        self.cnp_framer = Framer(path, DSCP_CNP, Ecn.NOT_ECT)
+        self.rate_bps: float | None = None     # a QP's own rate limit (congestion control)
+        self.next_tx = 0.0
         self.sport = udp_sport_for_qp(qpn, remote_qpn)
         self.region = region
         self.mtu = mtu_bytes
@@ -107,3 +112,11 @@ class QueuePair:
 
     def idle(self) -> bool:
         return not self.messages
+
+    def paced(self, now: float) -> bool:
+        """True while the QP's own rate limit holds it back."""
+        return self.rate_bps is not None and now < self.next_tx
+
+    def account(self, frame_bytes: int, now: float) -> None:
+        if self.rate_bps:   # up to 1 ms of missed sending may be caught up (timer slack)
+            self.next_tx = max(self.next_tx, now - 0.001) + frame_bytes * 8 / self.rate_bps

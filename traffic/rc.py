@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from traffic.constants import AethSyndrome, Opcode
+from traffic.dcqcn import DcqcnParams, NotificationPoint, ReactionPoint
 from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import Parsed, aeth, immdt, reth
 
@@ -28,6 +29,9 @@ class RcParams:
     window_packets: int = 64
     ack_every_packets: int = 16
     rto_ms: float = 50.0
+    dcqcn: bool = True
+    line_rate_mbps: float = 0.0      # the NIC's rate, DCQCN's ceiling (0: no DCQCN pacing)
+    rate_scale: float = 1000.0       # stretches DCQCN's time constants (dcqcn.py)
 
 
 class RcQP(QueuePair):
@@ -46,6 +50,10 @@ class RcQP(QueuePair):
         self.unacked_rx = 0
         self.msn = 0
         self.rx_va = 0
+        p = self.params
+        self.dcqcn = DcqcnParams().at_scale(p.rate_scale) if p.dcqcn else None
+        self.rp: ReactionPoint | None = None       # made at the first send (needs the clock)
+        self.np = NotificationPoint(self.dcqcn) if self.dcqcn else None
 
     # --- requester ------------------------------------------------------------------
     def post_write(self, data: bytes, remote_va: int, rkey: int, tag: int) -> None:
@@ -54,7 +62,7 @@ class RcQP(QueuePair):
         self.snd_end += msg.n_packets
 
     def pending(self, now: float) -> bool:
-        return self.snd_nxt < self.snd_end and \
+        return self.snd_nxt < self.snd_end and not self.paced(now) and \
             self.snd_nxt - self.snd_una < self.params.window_packets
 
     def next_frame(self, now: float) -> bytes:
@@ -78,8 +86,19 @@ class RcQP(QueuePair):
         if seq < self.high_sent:
             self.counters.retransmitted += 1
         self.high_sent = max(self.high_sent, self.snd_nxt)
-        return self.data_framer.frame(self.sport, op, self.remote_qpn, seq, ackreq=last,
-                                      ext=ext, payload=payload)
+        frame = self.data_framer.frame(self.sport, op, self.remote_qpn, seq, ackreq=last,
+                                       ext=ext, payload=payload)
+        self._rate_control(len(frame), now)
+        return frame
+
+    def _rate_control(self, nbytes: int, now: float) -> None:
+        if self.dcqcn is None or not self.params.line_rate_mbps:
+            return
+        if self.rp is None:
+            self.rp = ReactionPoint(self.params.line_rate_mbps * 1e6, self.dcqcn, now)
+        self.rp.on_sent(nbytes, now)
+        self.rate_bps = self.rp.rc
+        self.account(nbytes, now)
 
     def deadline(self) -> float | None:
         if self.snd_una < self.snd_nxt:
@@ -109,8 +128,23 @@ class RcQP(QueuePair):
         if p.opcode == Opcode.ACKNOWLEDGE:
             self._on_ack(p, now)
             return []
+        if p.opcode == Opcode.CNP:
+            self.counters.cnps_received += 1
+            if self.rp is not None:
+                self.rp.on_cnp(now)
+                self.rate_bps = self.rp.rc
+            return []
         self.counters.received += 1
         self.counters.ecn_marked += p.ce
+        out = self._cnp(now) if self.np and self.np.should_notify(p.ce, now) else []
+        return out + self._respond(p, now)
+
+    def _cnp(self, now: float) -> list[bytes]:
+        self.counters.cnps_sent += 1
+        return [self.cnp_framer.frame(self.sport, Opcode.CNP, self.remote_qpn, 0, becn=True,
+                                      payload=bytes(16))]
+
+    def _respond(self, p: Parsed, now: float) -> list[bytes]:
         d = psn_delta(p.psn, self.epsn)
         if d > 0:
             self.counters.out_of_order += 1

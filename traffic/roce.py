@@ -87,7 +87,7 @@ class Framer:
         self.ip_id = 0
 
     def frame(self, sport: int, opcode: int, dqpn: int, psn: int, *, ackreq: bool = False,
-              ext: bytes = b"", payload: bytes = b"") -> bytes:
+              becn: bool = False, ext: bytes = b"", payload: bytes = b"") -> bytes:
         pad = -len(payload) % 4
         rest = ext + payload + bytes(pad)
         udp_len = UDP_BYTES + BTH_BYTES + len(rest) + ICRC_BYTES
@@ -96,7 +96,7 @@ class Framer:
                                 IP_TTL, socket.IPPROTO_UDP, 0, self.src_ip, self.dst_ip))
         struct.pack_into("!H", ip, 10, ipv4_checksum(ip))
         hdrs = bytes(ip) + _UDP.pack(sport, ROCE_V2_UDP_PORT, udp_len, 0) + _BTH.pack(
-            opcode, pad << 4, DEFAULT_PKEY, dqpn & 0xFFFFFF,
+            opcode, pad << 4, DEFAULT_PKEY, becn << 30 | dqpn & 0xFFFFFF,
             (ackreq << 31) | (psn % PSN_MODULUS))
         return self.eth + hdrs + rest + _ICRC.pack(icrc(hdrs, rest))
 

@@ -42,13 +42,16 @@ def run(ctx: RunContext) -> dict:
                 [flow] = gpus.transfers([(src.name, dst.name, nbytes)], transport)
                 lost = loss.dropped()
             retx = sum(c["retransmitted"] for c in flow["counters"].values())
+            dups = sum(c["duplicate"] for c in flow["receiver_counters"].values())
             m = {"lost_packets": lost, "retransmitted_packets": retx,
+                 "receiver_duplicates": dups,   # resent though not lost (e.g. a stalled host)
+                 "timeouts": sum(c["timeouts"] for c in flow["counters"].values()),
                  "retransmitted_per_lost": retx / lost if lost else None,
                  "completion_s": flow["completion_s"],
                  "goodput_mbps": nbytes * 8 / flow["completion_s"] / 1e6,
                  "intact": flow["intact"]}
-            ctx.progress(f"{transport}: {lost} lost, {retx} retransmitted, goodput "
-                         f"{m['goodput_mbps']:.1f} Mb/s")
+            ctx.progress(f"{transport}: {lost} lost, {retx} retransmitted ({dups} arrived as "
+                         f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
     return out
 

@@ -261,3 +261,37 @@ def test_mrc_window_shrinks_on_ecn_echo():
     assert bytes(region.buf[:len(data)]) == data
     assert qa.ecn_echoes == qb.counters.received      # every SACK echoed the CE mark
     assert qa.cwnd < MrcParams().init_cwnd_packets / 2
+
+
+# --- PFC: the host side -------------------------------------------------------------
+from traffic.constants import PRIORITY_CNP, PRIORITY_ROCE_DATA  # noqa: E402
+from traffic.packets import pause_8023x, pfc_pause, pfc_resume  # noqa: E402
+
+
+def test_nic_honours_pfc_pause_and_resume_per_priority():
+    nic_a, nic_b, qa, qb, region = pair("rc", dcqcn=False)
+    qa.post_write(os.urandom(2_000_000), region.base_va, 7, tag=1)
+    t0 = time.monotonic()
+    pump([nic_a, nic_b], lambda: len(nic_a.wire.sent_ports) > 50)
+    quanta_per_s = 800e6 / 512                           # the NIC runs at 800 Mb/s
+    nic_a.deliver(bytes(pfc_pause({PRIORITY_ROCE_DATA: 0xFFFF})), time.monotonic())
+    assert nic_a.paused_until[PRIORITY_ROCE_DATA] > time.monotonic() + 0.9 * 0xFFFF / quanta_per_s
+    assert nic_a.paused_until[PRIORITY_CNP] < time.monotonic()   # other priorities flow
+    sent = len(nic_a.wire.sent_ports)
+    end = time.monotonic() + 0.03
+    while time.monotonic() < end:                          # paused: not one data frame
+        pump([nic_a, nic_b], lambda: True)
+        nic_a.receive(time.monotonic())
+        nic_a.transmit(time.monotonic())
+    assert len(nic_a.wire.sent_ports) == sent
+    nic_a.deliver(bytes(pfc_resume([PRIORITY_ROCE_DATA])), time.monotonic())
+    pump([nic_a, nic_b], lambda: len(nic_a.wire.sent_ports) > sent + 50)
+    assert nic_a.pause_frames_received == 2 and nic_a.paused_s[PRIORITY_ROCE_DATA] > 0.02
+    assert time.monotonic() - t0 < 5
+
+
+def test_8023x_pause_stops_every_priority():
+    nic_a, *_ = pair("rc", dcqcn=False)
+    nic_a.deliver(bytes(pause_8023x(1000)), time.monotonic())
+    assert all(t > time.monotonic() for t in nic_a.paused_until)
+    assert nic_a.paused_until[0] - time.monotonic() < 1000 * 512 / 800e6 + 0.001

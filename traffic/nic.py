@@ -13,15 +13,23 @@ import collections
 import errno
 import select
 import socket
+import struct
 import time
 from collections.abc import Callable
 
+from traffic.constants import (DSCP_CNP, DSCP_ROCE_DATA, MAC_CONTROL_ETHERTYPE,
+                               MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
+                               PAUSE_QUANTUM_BIT_TIMES, PFC_PRIORITY_COUNT, PRIORITY_CNP,
+                               PRIORITY_ROCE_DATA)
 from traffic.qp import QueuePair
-from traffic.roce import ETH_P_IP, Malformed, parse
+from traffic.roce import Malformed, parse
 
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
+ETH_P_ALL = 0x0003                # RoCE over IPv4 and MAC Control (pause) frames both
+PRIORITY_OF_DSCP = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}
+_PFC = struct.Struct("!HH8H")     # opcode, class-enable vector, 8 pause times (quanta)
 ETH_FRAME_OVERHEAD_BYTES = 24     # preamble, SFD, FCS, inter-frame gap: time on the wire
 
 
@@ -58,7 +66,7 @@ class PacketWire(SocketWire):
     """A raw AF_PACKET socket on one interface (inside the caller's namespace)."""
 
     def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
         sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
         sock.bind((intf, 0))
@@ -86,6 +94,11 @@ class Nic:
         self.malformed = 0
         self.unknown_qp = 0
         self.stalled: bytes | None = None
+        # PFC, as a NIC honours it: a paused priority sends nothing until the time
+        # runs out or a resume (time 0) arrives; other priorities keep going.
+        self.paused_until = [0.0] * PFC_PRIORITY_COUNT
+        self.pause_frames_received = 0
+        self.paused_s = [0.0] * PFC_PRIORITY_COUNT
 
     def add(self, qp: QueuePair) -> QueuePair:
         self.qps[qp.qpn] = qp
@@ -100,6 +113,9 @@ class Nic:
         return len(frames)
 
     def deliver(self, frame: bytes, now: float) -> None:
+        if frame[12:14] == MAC_CONTROL_ETHERTYPE.to_bytes(2, "big"):
+            self.on_pause(frame, now)
+            return
         try:
             p = parse(frame, self.ext_bytes)
         except Malformed:
@@ -116,11 +132,36 @@ class Nic:
         except (IndexError, ValueError):
             self.malformed += 1   # e.g. a write outside the region: drop it, keep running
 
+    def on_pause(self, frame: bytes, now: float) -> None:
+        """802.1Qbb PFC (per priority) or 802.3x PAUSE (every priority)."""
+        if len(frame) < 14 + _PFC.size:
+            self.malformed += 1
+            return
+        opcode, enable, *times = _PFC.unpack_from(frame, 14)
+        quantum_s = PAUSE_QUANTUM_BIT_TIMES / self.rate_bps
+        if opcode == MAC_CONTROL_OPCODE_PAUSE:   # opcode, then one pause time for the link
+            enable, times = 0xFF, [enable] * PFC_PRIORITY_COUNT
+        elif opcode != MAC_CONTROL_OPCODE_PFC:
+            self.malformed += 1
+            return
+        self.pause_frames_received += 1
+        for prio in range(PFC_PRIORITY_COUNT):
+            if enable >> prio & 1:
+                was = max(0.0, self.paused_until[prio] - now)
+                self.paused_until[prio] = now + times[prio] * quantum_s
+                self.paused_s[prio] += max(0.0, self.paused_until[prio] - now) - was
+
+    def paused(self, frame: bytes, now: float) -> bool:
+        prio = PRIORITY_OF_DSCP.get(frame[15] >> 2, 0)
+        return now < self.paused_until[prio]
+
     def transmit(self, now: float) -> None:
         while self.ctrl:                       # responses first, unpaced (they are small)
-            if not self.wire.send(self.ctrl[0]):
-                return
+            if self.paused(self.ctrl[0], now) or not self.wire.send(self.ctrl[0]):
+                break
             self.ctrl.popleft()
+        if now < self.paused_until[PRIORITY_ROCE_DATA]:
+            return                             # all data is RoCE: its priority is paused
         while now >= self.next_tx:
             frame = self.stalled or self._next_data(now)
             if frame is None:
@@ -154,7 +195,7 @@ class Nic:
                 if dl is not None:
                     wake = min(wake, dl)
         if self.stalled is not None or any(qp.pending(now) for qp in self.qps.values()):
-            wake = min(wake, max(self.next_tx, now))
+            wake = min(wake, max(self.next_tx, now, self.paused_until[PRIORITY_ROCE_DATA]))
         for qp in self.qps.values():       # a QP held back by its own rate (DCQCN)
             if qp.paced(now) and not qp.idle():
                 wake = min(wake, qp.next_tx)

@@ -146,6 +146,7 @@ class GpuAgents:
                         "intact": s["sent_crc"][str(rank[dst])] ==
                         d["recv_crc"].get(str(rank[src])),
                         "counters": s["counters"], "receiver_counters": d["counters"],
+                        "sender_nic": s["nic"],
                         "evs": s.get("evs", {})})
         return out
 

@@ -65,3 +65,39 @@ def test_loss_recovery(tmp_path, loss, mb):
     assert rc["retransmitted_packets"] > rc["lost_packets"]      # go-back-N
     assert rc["retransmitted_packets"] / rc["lost_packets"] > \
         mrc["retransmitted_packets"] / mrc["lost_packets"]
+
+
+def test_gpu_host_honours_real_pfc_frames(tmp_path):
+    """PFC frames sent onto a GPU host's link (as its leaf would) stop its RoCE traffic."""
+    import socket
+    import threading
+    import time
+
+    from lab.gpus import GpuAgents
+    from lab.network import FabricNetwork
+    from topologies.registry import build_topo
+    from traffic.constants import PRIORITY_ROCE_DATA
+    from traffic.packets import pfc_pause
+
+    topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
+    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+        g0 = net.fabric.host("g0")
+        leaf_port = f"{g0.interface().switch}-eth{g0.interface().port}"
+        with GpuAgents(net) as gpus:
+            [clean] = gpus.transfers([("g0", "g1", 1_000_000)], "rc")
+            result = {}
+            flow = threading.Thread(target=lambda: result.update(
+                gpus.transfers([("g0", "g1", 1_000_000)], "rc")[0]))
+            flow.start()
+            time.sleep(0.03)
+            tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+            tap.bind((leaf_port, 0))
+            for _ in range(3):     # 0xFFFF quanta at 100 Mb/s: 335 ms each, refreshed
+                tap.send(bytes(pfc_pause({PRIORITY_ROCE_DATA: 0xFFFF})))
+                time.sleep(0.1)
+            tap.close()
+            flow.join(timeout=30)
+    assert clean["intact"] and result["intact"]
+    assert result["sender_nic"]["pause_frames_received"] == 3
+    assert result["sender_nic"]["paused_s"][PRIORITY_ROCE_DATA] > 0.5
+    assert result["completion_s"] > clean["completion_s"] + 0.4

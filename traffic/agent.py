@@ -115,7 +115,9 @@ class Agent:
                             for qpn, qp in self.nic.qps.items()},
                   evs={f"{qpn:#x}": qp.ev_report() for qpn, qp in self.nic.qps.items()
                        if hasattr(qp, "ev_report")},
-                  nic={"malformed": self.nic.malformed, "unknown_qp": self.nic.unknown_qp},
+                  nic={"malformed": self.nic.malformed, "unknown_qp": self.nic.unknown_qp,
+                       "pause_frames_received": self.nic.pause_frames_received,
+                       "paused_s": self.nic.paused_s},
                   **algo.report(op))
         self.pending = None
 

@@ -22,12 +22,11 @@ from traffic.constants import (DSCP_CNP, DSCP_ROCE_DATA, MAC_CONTROL_ETHERTYPE,
                                PAUSE_QUANTUM_BIT_TIMES, PFC_PRIORITY_COUNT, PRIORITY_CNP,
                                PRIORITY_ROCE_DATA)
 from traffic.qp import QueuePair
-from traffic.roce import Malformed, parse
+from traffic.roce import ETH_P_IP, Malformed, parse
 
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
-ETH_P_ALL = 0x0003                # RoCE over IPv4 and MAC Control (pause) frames both
 PRIORITY_OF_DSCP = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}
 _PFC = struct.Struct("!HH8H")     # opcode, class-enable vector, 8 pause times (quanta)
 ETH_FRAME_OVERHEAD_BYTES = 24     # preamble, SFD, FCS, inter-frame gap: time on the wire
@@ -40,8 +39,8 @@ class SocketWire:
         self.sock = sock
         self.sock.setblocking(False)
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
+    def filenos(self) -> list[int]:
+        return [self.sock.fileno()]
 
     def send(self, frame: bytes) -> bool:
         try:
@@ -63,23 +62,44 @@ class SocketWire:
 
 
 class PacketWire(SocketWire):
-    """A raw AF_PACKET socket on one interface (inside the caller's namespace)."""
+    """Raw AF_PACKET sockets on one interface (inside the caller's namespace): one for
+    IPv4 (RoCE v2), one for MAC Control (pause frames). Bound to those protocols, not
+    to all: an all-protocol tap sees frames before the ingress hook, so it would
+    receive what an nftables loss rule drops."""
 
     def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-        sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
-        sock.bind((intf, 0))
-        super().__init__(sock)
+        super().__init__(self._bound(intf, ETH_P_IP, rcvbuf_bytes))
+        self.control = self._bound(intf, MAC_CONTROL_ETHERTYPE, 1 << 20)
+        self.control.setblocking(False)
         # The host kernel also sees the UDP 4791 frames; holding the port stops it
         # answering each with an ICMP port unreachable. Nothing reads this socket.
         self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.holder.bind(("0.0.0.0", 4791))
 
+    @staticmethod
+    def _bound(intf: str, proto: int, rcvbuf_bytes: int) -> socket.socket:
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(proto))
+        sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_bytes)
+        sock.bind((intf, 0))
+        return sock
+
+    def filenos(self) -> list[int]:
+        return [self.sock.fileno(), self.control.fileno()]
+
+    def recv_all(self, limit: int = 256) -> list[bytes]:
+        out = []
+        for _ in range(8):
+            try:
+                out.append(self.control.recv(4096))
+            except BlockingIOError:
+                break
+        return out + super().recv_all(limit)
+
     def close(self) -> None:
-        self.sock.close()
-        self.holder.close()
+        for sock in (self.sock, self.control, self.holder):
+            sock.close()
 
 
 class Nic:
@@ -205,8 +225,8 @@ class Nic:
                   extra_fds: list | None = None, on_fd: Callable | None = None) -> bool:
         """Drive the NIC until done() or the timeout; returns done()."""
         poller = select.poll()
-        poller.register(self.wire.fileno(), select.POLLIN)
-        for fd in extra_fds or []:
+        wire_fds = self.wire.filenos()
+        for fd in wire_fds + (extra_fds or []):
             poller.register(fd, select.POLLIN)
         end = time.monotonic() + timeout_s
         while not done():
@@ -218,6 +238,6 @@ class Nic:
             wake = self.timers(now)
             wait_ms = max(0.0, (min(wake, end) - time.monotonic()) * 1000)
             for fd, _ in poller.poll(wait_ms if not self.ctrl else 0):
-                if fd != self.wire.fileno() and on_fd:
+                if fd not in wire_fds and on_fd:
                     on_fd(fd)
         return True

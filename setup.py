@@ -14,6 +14,7 @@ setup(
         "os-ken>=4.2",
         "scapy>=2.6",
         "numpy>=1.24",
+        "iperf3>=0.1.11",
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["fabriclab = lab.cli:main"]},

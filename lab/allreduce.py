@@ -35,6 +35,7 @@ def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
     hosts = [h.name for h in net.fabric.hosts[:n]]
     with GpuAgents(net, hosts) as gpus:
         res = gpus.allreduce(tensors, transport, op="mean" if mean else "sum")
+        cpu_bound = gpus.cpu_bound()
     expected = np.sum(np.stack(tensors).astype(np.float32), axis=0)
     if mean:
         expected = expected / n
@@ -52,5 +53,6 @@ def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
         "agree": all(e <= tol for e in errors), "per_host_error": errors,
         "retransmitted_packets": retx, "link_rate_mbps": link_mbps,
         "busbw_over_link": figures["busbw_mbps"] / link_mbps,
+        "cpu_bound_hosts": cpu_bound,
         **figures,
     }

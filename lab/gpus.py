@@ -23,6 +23,9 @@ from topologies.fabric import Fabric, Host
 from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
+CPU_BOUND_FRACTION = 0.9
+
+
 def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
     """The MAC a frame from src to dst is addressed to: the peer in the same subnet,
     else the gateway (the leaf routes it, rewriting MACs hop by hop)."""
@@ -60,6 +63,7 @@ class GpuAgents:
         self.hosts = [net.fabric.host(h) for h in (hosts or [h.name for h in net.fabric.hosts])]
         self.procs: dict[str, subprocess.Popen] = {}
         self.next_id = 1
+        self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
         for h in self.hosts:
             intf = h.interface(network)
             args = [sys.executable, "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
@@ -110,7 +114,16 @@ class GpuAgents:
             self._expect(h.name, "ready", timeout_s=30)
         for h in self.hosts:
             self._send(h.name, cmd="start", id=cid)
-        return {h.name: self._expect(h.name, "done", timeout_s + 10) for h in self.hosts}
+        done = {h.name: self._expect(h.name, "done", timeout_s + 10) for h in self.hosts}
+        for name, d in done.items():
+            self.cpu.append((name, d["cpu_s"], d["elapsed_s"]))
+        return done
+
+    def cpu_bound(self, threshold: float = CPU_BOUND_FRACTION) -> list[str]:
+        """Hosts whose agent was busy more than `threshold` of some collective's time:
+        their NIC could not keep up, so the emulation was not faithful there."""
+        return sorted({name for name, cpu, elapsed in self.cpu
+                       if elapsed > 0.05 and cpu / elapsed > threshold})
 
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
                   params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
@@ -170,3 +183,29 @@ class GpuAgents:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def iperf3_tcp(net: FabricNetwork, src: str, dst: str, seconds: float = 3,
+               streams: int = 1) -> dict:
+    """TCP goodput from src to dst with iperf3 (its Python wrapper, in the hosts)."""
+    server_ip = net.fabric.host(dst).interface().ip
+    server = net.mininet[dst].popen([sys.executable, "-m", "traffic.tcp", "server"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state.record_process(server.pid, "traffic.tcp server", "iperf3-server")
+    try:
+        time.sleep(0.3)
+        client = net.mininet[src].popen([sys.executable, "-m", "traffic.tcp", "client",
+                                         "--server", server_ip, "--seconds", str(seconds),
+                                         "--streams", str(streams)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = client.communicate(timeout=seconds + 30)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if client.returncode or not lines:
+            raise LabError(f"iperf3 from {src} to {dst} failed: {(lines or [err.strip()])[-1]}")
+        return json.loads(lines[-1])
+    finally:
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -162,6 +162,12 @@ def run(name: str, settings: list[str], out: Path | None = None,
             metrics = mod.run(RunContext(net, params, workdir, progress))
         timings = dict(net.timings)
     claims = mod.claims(params, metrics)
+    warnings = []
+    if metrics.get("cpu_bound_hosts"):
+        warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "
+                        f"NICs could not keep up, so timings there are not faithful; lower "
+                        f"the link rates (see bench/transport.py for this machine's limit)")
+        progress("warning: " + warnings[-1])
     result = {
         "experiment": name,
         "params": config["params"],
@@ -171,6 +177,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "metrics": metrics,
         "claims": [dataclasses.asdict(c) for c in claims],
         "passed": all(c.passed for c in claims),
+        "warnings": warnings,
         "timings_s": {**timings, "total_s": time.monotonic() - t0},
     }
     write_json_atomic(workdir / "metrics.json", result)

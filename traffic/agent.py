@@ -96,7 +96,7 @@ class Agent:
 
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         algo.start(t0)
 
         def done() -> bool:
@@ -107,10 +107,10 @@ class Agent:
             return algo.done()
 
         ok = self.nic.run_until(done, timeout_s)
-        elapsed = time.monotonic() - t0
+        elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
         # linger briefly so the peers' last ACKs/SACKs we owe them go out
         self.nic.run_until(lambda: False, 0.02)
-        self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed,
+        self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed, cpu_s=cpu_s,
                   counters={f"{qp.kind}:{qpn:#x}": qp.counters.as_dict()
                             for qpn, qp in self.nic.qps.items()},
                   evs={f"{qpn:#x}": qp.ev_report() for qpn, qp in self.nic.qps.items()

@@ -49,6 +49,8 @@ class MrcParams:
                                        # a dead path loses every packet; a congested one, some
     ev_probe_after_ms: float = 100.0
     credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
+    sack_every_packets: int = 4        # receiver: coalesce SACKs, but answer at once a packet
+                                       # that is out of order, CE-marked or ends a message
 
 
 @dataclass
@@ -101,6 +103,7 @@ class MrcQP(QueuePair):
         self.rcv_seen: set[int] = set()
         self.rcv_count: dict[int, int] = {}
         self.rcv_bytes: dict[int, int] = {}
+        self.unsacked = 0
 
     # --- sender ---------------------------------------------------------------------
     def post_write(self, data: bytes, remote_va: int, rkey: int, tag: int) -> None:
@@ -251,6 +254,11 @@ class MrcQP(QueuePair):
             if self.rcv_count[tag] == count:
                 self.events.append(("received", tag, self.rcv_bytes.pop(tag)))
                 del self.rcv_count[tag]
+                self.unsacked = self.params.sack_every_packets      # answer now
+        self.unsacked += 1
+        if self.unsacked < self.params.sack_every_packets and not p.ce and not self.rcv_seen:
+            return []
+        self.unsacked = 0
         return [self._sack(p)]
 
     def _sack(self, p: Parsed) -> bytes:

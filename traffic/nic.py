@@ -29,7 +29,8 @@ PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
 PRIORITY_OF_DSCP = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}
 _PFC = struct.Struct("!HH8H")     # opcode, class-enable vector, 8 pause times (quanta)
-ETH_FRAME_OVERHEAD_BYTES = 24     # preamble, SFD, FCS, inter-frame gap: time on the wire
+# The emulated link is an htb class, which counts frame bytes (no preamble, FCS or
+# inter-frame gap): pacing counts the same, so the NIC fills exactly its link.
 
 
 class SocketWire:
@@ -191,7 +192,7 @@ class Nic:
                 self.next_tx = now + 0.0002
                 return
             self.stalled = None
-            wire_bits = (len(frame) + ETH_FRAME_OVERHEAD_BYTES) * 8
+            wire_bits = len(frame) * 8
             self.next_tx = max(self.next_tx, now - 0.001) + wire_bits / self.rate_bps
 
     def _next_data(self, now: float) -> bytes | None:

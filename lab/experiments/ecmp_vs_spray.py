@@ -86,6 +86,7 @@ def run(ctx: RunContext) -> dict:
                          f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
                          f"{m['completion_s_max']:.2f} s")
             out[name] = m
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out
 
 

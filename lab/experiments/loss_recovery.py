@@ -53,6 +53,7 @@ def run(ctx: RunContext) -> dict:
             ctx.progress(f"{transport}: {lost} lost, {retx} retransmitted ({dups} arrived as "
                          f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out
 
 

@@ -20,6 +20,7 @@ from lab import state
 from lab.errors import LabError
 from lab.network import FabricNetwork
 from topologies.fabric import Fabric, Host
+from traffic.agent import qpn_for
 from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
@@ -150,18 +151,33 @@ class GpuAgents:
             offset = sum(r["bytes"] for r in cmds[dst]["recv"])
             cmds[dst]["recv"].append({"rank": rank[src], "bytes": nbytes, "offset": offset})
             cmds[src]["send"].append({"rank": rank[dst], "bytes": nbytes, "offset": offset})
+        cid = self.next_id
         done = self._run(cmds, timeout_s)
         out = []
         for src, dst, nbytes in flows:
             s, d = done[src], done[dst]
+            # the flow's two ends: at src the QP to dst, at dst the QP to src
+            tx_qp, rx_qp = qpn_for(cid, rank[dst]), qpn_for(cid, rank[src])
             out.append({"src": src, "dst": dst, "bytes": nbytes,
                         "completion_s": s["finished_at"][str(rank[dst])],
                         "intact": s["sent_crc"][str(rank[dst])] ==
                         d["recv_crc"].get(str(rank[src])),
-                        "counters": s["counters"], "receiver_counters": d["counters"],
-                        "sender_nic": s["nic"],
-                        "evs": s.get("evs", {})})
+                        "counters": s["counters"][f"{transport}:{tx_qp:#x}"],
+                        "receiver_counters": d["counters"][f"{transport}:{rx_qp:#x}"],
+                        "sender_nic": s["nic"], "evs": s.get("evs", {}).get(f"{tx_qp:#x}")})
         return out
+
+    def incast(self, root: str, nbytes: int, transport: str = "rc",
+               params: dict | None = None) -> list[dict]:
+        """Every other host sends `nbytes` to `root`, all at once (N to 1)."""
+        return self.transfers([(h.name, root, nbytes) for h in self.hosts if h.name != root],
+                              transport, params)
+
+    def alltoall(self, nbytes: int, transport: str = "rc",
+                 params: dict | None = None) -> list[dict]:
+        """Every host sends `nbytes` to every other host, all at once."""
+        return self.transfers([(a.name, b.name, nbytes) for a in self.hosts for b in self.hosts
+                               if a is not b], transport, params)
 
     def close(self) -> None:
         for name, proc in self.procs.items():

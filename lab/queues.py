@@ -17,7 +17,10 @@ from topologies.fabric import Fabric
 
 @dataclass
 class QueueParams:
-    buffer_kb: int = 100       # per egress queue; 8 ms at 100 Mb/s
+    # per egress queue: 5 ms at 100 Mb/s. Kept below the ~93 packets (~100 KB of 1 KB
+    # RoCE frames) that OVS userspace can have in an AF_PACKET send buffer: past that
+    # it drops silently, and the drops must happen here, where tc counts them.
+    buffer_kb: int = 64
 
 
 def interface_name(node: str, port: int) -> str:
@@ -32,6 +35,10 @@ def shaping_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
         f"ceil {rate_mbps}mbit",
         f"qdisc replace dev {intf} parent 1:1 handle 10: bfifo limit {q.buffer_kb * 1024}",
     ]
+
+
+def host_interfaces(fabric: Fabric, host: str) -> list[str]:
+    return [i.name for i in fabric.host(host).interfaces]
 
 
 def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
@@ -55,7 +62,13 @@ def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
         batch.flush()
         cmd = ["tc", "-batch", batch.name]
         if ns is not None:
-            cmd = ["mnexec", "-a", str(host_pids[ns])] + cmd
+            # No segmentation offload on GPU hosts: every queued packet is one wire frame,
+            # so a byte-bounded queue is not filled by one 64 KB TSO burst and tc's
+            # packet counts mean packets.
+            offload_off = " ".join(f"ethtool -K {i} tso off gso off 2>/dev/null;"
+                                   for i in host_interfaces(fabric, ns))
+            cmd = ["mnexec", "-a", str(host_pids[ns]), "sh", "-c",
+                   f"{offload_off} exec tc -batch {batch.name}"]
         procs.append((ns, batch, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.PIPE, text=True)))
     errors = []

@@ -140,3 +140,20 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
                           "_ws.malformed || _ws.expert"], capture_output=True, text=True,
                          check=True).stdout
     assert bad == ""
+
+
+@pytest.mark.parametrize("transport", ["rc", "mrc"])
+def test_incast_and_alltoall_deliver_every_byte(tmp_path, transport):
+    from lab.gpus import GpuAgents
+    from lab.network import FabricNetwork
+    from topologies.registry import build_topo
+
+    topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2)
+    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+        with GpuAgents(net) as gpus:
+            incast = gpus.incast("g0", 200_000, transport)
+            a2a = gpus.alltoall(50_000, transport)
+    assert len(incast) == 3 and all(f["dst"] == "g0" and f["intact"] for f in incast)
+    assert len(a2a) == 12 and all(f["intact"] for f in a2a)
+    # three senders share g0's one link: the last finishes no sooner than 3 x 200 KB allows
+    assert max(f["completion_s"] for f in incast) >= 3 * 200_000 * 8 / 100e6

@@ -92,7 +92,7 @@ def test_link_rates_are_real_kernel_queues(tmp_path):
         host_side = net.mininet["g0"].cmd("tc class show dev g0-eth0; tc qdisc show dev g0-eth0")
     for out in (switch_side, host_side):
         assert "rate 50Mbit ceil 50Mbit" in out, out
-    assert "bfifo" in host_side and "limit 100Kb" in host_side, host_side
+    assert "bfifo" in host_side and "limit 64Kb" in host_side, host_side
 
 
 def test_up_opens_the_mininet_cli():

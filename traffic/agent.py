@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from traffic.collectives import RingAllReduce, Transfers
-from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
+from traffic.mrc import EXT_BYTES, CreditPool, MrcParams, MrcQP
 from traffic.nic import Nic, PacketWire
 from traffic.qp import Region
 from traffic.rc import RcParams, RcQP
@@ -60,13 +60,17 @@ class Agent:
         self.nic.qps.clear()
         self.nic.rr.clear()
         qps = {}
+        extra = {}
+        if getattr(params, "credit_budget_packets", 0):
+            extra["credit_pool"] = CreditPool(params.credit_budget_packets)
 
         def qp_to(peer_rank: int, region: Region):
             if peer_rank not in qps:
                 p = peers[peer_rank]
                 path = Path(self.mac, p["next_hop_mac"], self.ip, p["ip"])
                 qps[peer_rank] = self.nic.add(qp_cls(path, qpn_for(cid, peer_rank),
-                                                     qpn_for(cid, rank), region, params))
+                                                     qpn_for(cid, rank), region, params,
+                                                     **extra))
             return qps[peer_rank]
 
         if cmd["collective"] == "allreduce":

@@ -51,6 +51,25 @@ class MrcParams:
     credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
     sack_every_packets: int = 4        # receiver: coalesce SACKs, but answer at once a packet
                                        # that is out of order, CE-marked or ends a message
+    credit_budget_packets: int = 64    # receiver: packets in flight it grants all its senders
+                                       # together (0: each QP its own credit_packets)
+
+
+class CreditPool:
+    """A receiver's credit budget, shared by the senders it is hearing from: with
+    N senders at once (incast) each may have budget/N packets in flight, so their
+    sum fits the receiver's link buffer instead of overflowing it."""
+
+    ACTIVE_S = 0.05
+
+    def __init__(self, budget_packets: int, min_packets: int = 2):
+        self.budget, self.min = budget_packets, min_packets
+        self.heard: dict[int, float] = {}
+
+    def grant(self, qpn: int, now: float) -> int:
+        self.heard[qpn] = now
+        active = sum(now - t < self.ACTIVE_S for t in self.heard.values())
+        return max(self.min, self.budget // max(1, active))
 
 
 @dataclass
@@ -75,8 +94,10 @@ class Inflight:
 class MrcQP(QueuePair):
     kind = "mrc"
 
-    def __init__(self, path, qpn, remote_qpn, region, params: MrcParams | None = None):
+    def __init__(self, path, qpn, remote_qpn, region, params: MrcParams | None = None,
+                 credit_pool: CreditPool | None = None):
         self.params = params or MrcParams()
+        self.credit_pool = credit_pool
         super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
         p = self.params
         if len(p.evs) < p.min_active_evs:
@@ -93,7 +114,8 @@ class MrcQP(QueuePair):
         self.tx_index = 0
         self.max_acked_tx = -1
         self.cwnd = p.init_cwnd_packets
-        self.credit_limit = p.credit_packets
+        # until the receiver speaks, a sender may use its share of a pooled budget
+        self.credit_limit = min(p.credit_packets, p.credit_budget_packets or p.credit_packets)
         self.base_rtt = None
         self.srtt = None
         self.last_decrease = -1.0
@@ -259,16 +281,18 @@ class MrcQP(QueuePair):
         if self.unsacked < self.params.sack_every_packets and not p.ce and not self.rcv_seen:
             return []
         self.unsacked = 0
-        return [self._sack(p)]
+        return [self._sack(p, now)]
 
-    def _sack(self, p: Parsed) -> bytes:
+    def _sack(self, p: Parsed, now: float) -> bytes:
         base = self.rcv_cum + 1
         bitmap = 0
         for s in self.rcv_seen:
             if 0 <= s - base < MRC_SACK_BITMAP_BITS:
                 bitmap |= 1 << (s - base)
         flags = MRC_SACK_FLAG_ECN_ECHO if p.ce else 0
-        credit = (self.rcv_cum + self.params.credit_packets) & 0xFFFFFF
+        grant = self.credit_pool.grant(self.qpn, now) if self.credit_pool \
+            else self.params.credit_packets
+        credit = (self.rcv_cum + grant) & 0xFFFFFF
         self.counters.acks_sent += 1
         return self.ctrl_framer.frame(self.sport, Opcode.MRC_SACK, self.remote_qpn,
                                       self.rcv_cum, ext=_SACKX.pack(bitmap, p.sport, flags, 0,

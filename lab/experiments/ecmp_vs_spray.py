@@ -56,9 +56,7 @@ def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None)
     per_spine = [a - b for a, b in zip(uplink_bytes("fl-lf0", spines), before)]
     mean = sum(per_spine) / len(per_spine)
     completions = [f["completion_s"] for f in res]
-    # each flow's sender reports all its QPs; a QP is counted once per host
-    retx = sum(c["retransmitted"] for src in {f["src"]: f for f in res}.values()
-               for c in src["counters"].values())
+    retx = sum(f["counters"]["retransmitted"] for f in res)
     return {"bytes_per_spine_uplink": per_spine,
             "imbalance_max_over_mean": max(per_spine) / mean if mean else None,
             "max_deviation_from_mean": max(abs(b - mean) for b in per_spine) / mean if mean else None,

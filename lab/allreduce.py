@@ -10,7 +10,7 @@ from lab.gpus import GpuAgents
 from lab.network import FabricNetwork
 from topologies.leafspine import LeafSpine, LeafSpineParams
 
-ALGORITHMS = ("ring",)
+ALGORITHMS = ("ring", "tree")
 TRANSPORTS = ("rc", "mrc")
 
 
@@ -29,12 +29,13 @@ def nccl_figures(size_bytes: int, n: int, time_s: float) -> dict:
 
 
 def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
-        mean: bool = True) -> dict:
+        mean: bool = True, algorithm: str = "ring") -> dict:
     """All-reduce `tensors` (one per GPU host, in host order) and check every result."""
     n = len(tensors)
     hosts = [h.name for h in net.fabric.hosts[:n]]
     with GpuAgents(net, hosts) as gpus:
-        res = gpus.allreduce(tensors, transport, op="mean" if mean else "sum")
+        res = gpus.allreduce(tensors, transport, op="mean" if mean else "sum",
+                             algorithm=algorithm)
         cpu_bound = gpus.cpu_bound()
     expected = np.sum(np.stack(tensors).astype(np.float32), axis=0)
     if mean:
@@ -47,7 +48,7 @@ def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
     link_mbps = net.fabric.hosts[0].interface().rate_mbps
     figures = nccl_figures(tensors[0].nbytes, n, res.time_s)
     return {
-        "hosts": hosts, "transport": transport, "n": n,
+        "hosts": hosts, "transport": transport, "algorithm": algorithm, "n": n,
         "results": results, "expected": expected,
         "max_abs_error": max(errors), "tolerance": tol,
         "agree": all(e <= tol for e in errors), "per_host_error": errors,

@@ -184,7 +184,7 @@ def cmd_allreduce(args) -> int:
         with FabricNetwork(topo, Path(tmp)) as net:
             print(f"all-reduce ({args.algorithm}, {args.transport}) of "
                   f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
-            m = allreduce.run(net, tensors, args.transport)
+            m = allreduce.run(net, tensors, args.transport, algorithm=args.algorithm)
     for host, value, result, err in zip(m["hosts"], tensors, m["results"], m["per_host_error"]):
         if args.values is not None:
             print(f"  {host}: {value[0]:g} -> {result[0]:g}")
@@ -235,7 +235,7 @@ def build_parser() -> Parser:
     a.add_argument("--size-mb", type=float, help="all-reduce random float32 tensors of this size")
     a.add_argument("--gpus", type=int, default=4, help="GPU hosts with --size-mb (default 4)")
     a.add_argument("--transport", choices=["rc", "mrc"], default="rc")
-    a.add_argument("--algorithm", choices=["ring"], default="ring")
+    a.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
     a.add_argument("--seed", type=int, default=1)
     a.set_defaults(func=cmd_allreduce)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")

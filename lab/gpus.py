@@ -127,10 +127,12 @@ class GpuAgents:
                        if elapsed > 0.05 and cpu / elapsed > threshold})
 
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
-                  params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
+                  algorithm: str = "ring", params: dict | None = None,
+                  timeout_s: float = 120.0) -> CollectiveResult:
         if len(data) != len(self.hosts):
             raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
         done = self._run({h.name: dict(collective="allreduce", op=op, transport=transport,
+                                       algorithm=algorithm,
                                        params=params or {},
                                        data=base64.b64encode(d.astype(np.float32).tobytes())
                                        .decode())

@@ -10,9 +10,11 @@ from conftest import fabriclab, requires_root
 pytestmark = requires_root
 
 
-@pytest.mark.parametrize("transport", ["rc", "mrc"])
-def test_the_teaching_example_every_host_prints_the_mean(transport):
-    r = fabriclab("allreduce", "--values", "0.7,0.9,0.6,0.8", "--transport", transport)
+@pytest.mark.parametrize("transport,algorithm", [("rc", "ring"), ("mrc", "ring"),
+                                                  ("rc", "tree")])
+def test_the_teaching_example_every_host_prints_the_mean(transport, algorithm):
+    r = fabriclab("allreduce", "--values", "0.7,0.9,0.6,0.8", "--transport", transport,
+                  "--algorithm", algorithm)
     assert r.returncode == 0, r.stdout + r.stderr
     results = re.findall(r"^\s+(g\d): ([\d.]+) -> ([\d.]+)$", r.stdout, re.M)
     assert [h for h, _, _ in results] == ["g0", "g1", "g2", "g3"]
@@ -28,10 +30,11 @@ def test_large_tensors_match_numpy_on_every_host(transport):
     assert re.search(r"busbw [\d.]+ Mb/s", r.stdout)
 
 
-def test_allreduce_experiment_checks_its_claims(tmp_path):
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_allreduce_experiment_checks_its_claims(tmp_path, algorithm):
     out = tmp_path / "ar"
     r = fabriclab("run", "allreduce", "--set", "size_mb=0.25", "--set", "transport=mrc",
-                  "--set", "leaves=3", "--out", str(out))
+                  "--set", f"algorithm={algorithm}", "--set", "leaves=3", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert m["passed"] and m["metrics"]["n"] == 6

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from traffic.collectives import RingAllReduce, Transfers
+from traffic.collectives import RingAllReduce, Transfers, TreeAllReduce
 from traffic.mrc import EXT_BYTES, CreditPool, MrcParams, MrcQP
 from traffic.nic import Nic, PacketWire
 from traffic.qp import Region
@@ -30,6 +30,7 @@ from traffic.rc import RcParams, RcQP
 from traffic.roce import Path
 
 TRANSPORTS = {"rc": (RcQP, RcParams), "mrc": (MrcQP, MrcParams)}
+ALLREDUCE = {"ring": RingAllReduce, "tree": TreeAllReduce}
 REGION_VA = 0x10000000
 
 
@@ -76,10 +77,17 @@ class Agent:
         if cmd["collective"] == "allreduce":
             n = len(peers) + 1
             data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32)
-            region = Region(rkey=cid, buf=bytearray(RingAllReduce.region_bytes(len(data), n)),
+            cls = ALLREDUCE[cmd.get("algorithm", "ring")]
+            region = Region(rkey=cid, buf=bytearray(cls.region_bytes(len(data), n)),
                             base_va=REGION_VA)
-            right, left = qp_to((rank + 1) % n, region), qp_to((rank - 1) % n, region)
-            algo = RingAllReduce(rank, n, data, right, left, region, REGION_VA, cid)
+            if cls is RingAllReduce:
+                right, left = qp_to((rank + 1) % n, region), qp_to((rank - 1) % n, region)
+                algo = RingAllReduce(rank, n, data, right, left, region, REGION_VA, cid)
+            else:
+                tree = [p for p in ((rank - 1) // 2, 2 * rank + 1, 2 * rank + 2)
+                        if 0 <= p < n and p != rank]
+                algo = TreeAllReduce(rank, n, data, {p: qp_to(p, region) for p in tree},
+                                     region, REGION_VA, cid)
         elif cmd["collective"] == "transfers":
             # recv: [{"rank", "bytes", "offset"}]: where each peer's message lands here;
             # send: [{"rank", "bytes", "offset"}]: where ours lands in the peer's region.

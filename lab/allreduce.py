@@ -9,16 +9,19 @@ import numpy as np
 from lab.gpus import GpuAgents
 from lab.network import FabricNetwork
 from topologies.leafspine import LeafSpine, LeafSpineParams
+from topologies.rack import Rack, RackParams
 
-ALGORITHMS = ("ring", "tree")
+ALGORITHMS = ("ring", "tree", "hier")
 TRANSPORTS = ("rc", "mrc")
 
 
-def fabric_for(n_gpus: int, **overrides) -> LeafSpine:
-    """A small leaf-spine with one GPU host per rank, two per leaf."""
-    params = LeafSpineParams(spines=2, leaves=math.ceil(n_gpus / 2), hosts_per_leaf=2,
-                             **overrides)
-    return LeafSpine(params)
+def fabric_for(n_gpus: int, algorithm: str = "ring") -> LeafSpine | Rack:
+    """A small fabric with one GPU host per rank: a leaf-spine with two per leaf, or
+    for the hierarchical algorithm GPU racks (two when the count is even)."""
+    if algorithm == "hier":
+        racks = 2 if n_gpus % 2 == 0 else 1
+        return Rack(RackParams(racks=racks, gpus_per_rack=n_gpus // racks))
+    return LeafSpine(LeafSpineParams(spines=2, leaves=math.ceil(n_gpus / 2), hosts_per_leaf=2))
 
 
 def nccl_figures(size_bytes: int, n: int, time_s: float) -> dict:

@@ -179,7 +179,7 @@ def cmd_allreduce(args) -> int:
         rng = np.random.default_rng(args.seed)
         elems = max(1, int(args.size_mb * 1e6 / 4))
         tensors = [rng.standard_normal(elems).astype(np.float32) for _ in range(args.gpus)]
-    topo = allreduce.fabric_for(len(tensors))
+    topo = allreduce.fabric_for(len(tensors), args.algorithm)
     with RunLock("fabriclab allreduce"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp)) as net:
             print(f"all-reduce ({args.algorithm}, {args.transport}) of "
@@ -235,7 +235,8 @@ def build_parser() -> Parser:
     a.add_argument("--size-mb", type=float, help="all-reduce random float32 tensors of this size")
     a.add_argument("--gpus", type=int, default=4, help="GPU hosts with --size-mb (default 4)")
     a.add_argument("--transport", choices=["rc", "mrc"], default="rc")
-    a.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    a.add_argument("--algorithm", choices=["ring", "tree", "hier"], default="ring",
+                   help="hier: inside each rack over scale-up links, then across racks")
     a.add_argument("--seed", type=int, default=1)
     a.set_defaults(func=cmd_allreduce)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")

@@ -19,12 +19,16 @@ from controllers.routes import Forward, routes_for
 from lab import state
 from lab.errors import LabError
 from lab.network import FabricNetwork
-from topologies.fabric import Fabric, Host
+from topologies.fabric import Fabric, Host, HostInterface
 from traffic.agent import qpn_for
 from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
 CPU_BOUND_FRACTION = 0.9
+
+
+def scaleup(host: Host) -> HostInterface | None:
+    return next((i for i in host.interfaces if i.network == "scale-up"), None)
 
 
 def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
@@ -68,7 +72,10 @@ class GpuAgents:
         for h in self.hosts:
             intf = h.interface(network)
             args = [sys.executable, "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
-                    "--ip", intf.ip, "--rate-mbps", str(intf.rate_mbps)]
+                    "--ip", intf.ip, "--rate-mbps", str(intf.rate_mbps), "--rack", str(h.rack or 0)]
+            up = scaleup(h)
+            if up is not None:
+                args += ["--up", up.name, up.mac, up.ip, str(up.rate_mbps)]
             proc = net.mininet[h.name].popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True, bufsize=1)
             state.record_process(proc.pid, f"--intf {intf.name}", "gpu-agent")
@@ -100,9 +107,16 @@ class GpuAgents:
         return msg
 
     def _peers(self, h: Host) -> list[dict]:
-        return [{"rank": r, "ip": p.interface(self.network).ip,
-                 "next_hop_mac": next_hop_mac(self.fabric, h, p, self.network)}
-                for r, p in enumerate(self.hosts) if p is not h]
+        peers = []
+        for r, p in enumerate(self.hosts):
+            if p is h:
+                continue
+            peer = {"rank": r, "ip": p.interface(self.network).ip, "rack": p.rack or 0,
+                    "next_hop_mac": next_hop_mac(self.fabric, h, p, self.network)}
+            if scaleup(p) and scaleup(h) and p.rack == h.rack:
+                peer.update(up_ip=scaleup(p).ip, up_mac=scaleup(p).mac)
+            peers.append(peer)
+        return peers
 
     def _run(self, commands: dict[str, dict], timeout_s: float) -> dict[str, dict]:
         """prepare on every host, wait until all are ready, start, collect."""

@@ -11,7 +11,7 @@ pytestmark = requires_root
 
 
 @pytest.mark.parametrize("transport,algorithm", [("rc", "ring"), ("mrc", "ring"),
-                                                  ("rc", "tree")])
+                                                  ("rc", "tree"), ("mrc", "hier")])
 def test_the_teaching_example_every_host_prints_the_mean(transport, algorithm):
     r = fabriclab("allreduce", "--values", "0.7,0.9,0.6,0.8", "--transport", transport,
                   "--algorithm", algorithm)
@@ -30,11 +30,14 @@ def test_large_tensors_match_numpy_on_every_host(transport):
     assert re.search(r"busbw [\d.]+ Mb/s", r.stdout)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
-def test_allreduce_experiment_checks_its_claims(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,topology", [
+    ("ring", ["topology=leaf-spine", "leaves=3"]), ("tree", ["topology=leaf-spine", "leaves=3"]),
+    ("hier", ["topology=rack", "racks=2", "gpus_per_rack=3"])])
+def test_allreduce_experiment_checks_its_claims(tmp_path, algorithm, topology):
     out = tmp_path / "ar"
+    sets = [x for kv in topology for x in ("--set", kv)]
     r = fabriclab("run", "allreduce", "--set", "size_mb=0.25", "--set", "transport=mrc",
-                  "--set", f"algorithm={algorithm}", "--set", "leaves=3", "--out", str(out))
+                  "--set", f"algorithm={algorithm}", *sets, "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert m["passed"] and m["metrics"]["n"] == 6

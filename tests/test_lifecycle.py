@@ -28,6 +28,8 @@ from topologies.registry import build_topo
     (["run", "reachability", "--set", "tries=lots"], "tries"),
     (["run", "reachability", "--set", "topology=ring"], "ring"),
     (["run", "reachability", "--set", "spines=0"], "spines"),
+    (["run", "allreduce", "--set", "algorithm=hier"], "topology=rack"),
+    (["allreduce", "--values", "0.5"], "--values"),
     (["frobnicate"], "frobnicate"),
 ])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, word, tmp_path):

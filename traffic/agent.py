@@ -1,15 +1,18 @@
 """The GPU agent: one per GPU host, inside its network namespace.
 
-It owns the host's NIC (an AF_PACKET socket on its interface) and runs
-collectives on it when the lab asks. Control is JSON lines: commands on stdin,
-events on stdout.
+It owns the host's NICs (raw AF_PACKET sockets on its scale-out interface and,
+on rack fabrics, its scale-up interface) and runs collectives on them when the
+lab asks. Control is JSON lines: commands on stdin, events on stdout.
 
-    {"cmd": "prepare", "id": 1, "collective": "allreduce", "op": "mean", "transport": "rc", "rank": 0,
-     "peers": [{"rank": 1, "ip": ..., "next_hop_mac": ...}, ...], "data": <base64 float32>}
+    {"cmd": "prepare", "id": 1, "collective": "allreduce", "algorithm": "ring",
+     "op": "mean", "transport": "rc", "rank": 0, "data": <base64 float32>,
+     "peers": [{"rank": 1, "ip": ..., "next_hop_mac": ..., "rack": 0}, ...]}
         -> {"event": "ready", "id": 1}
-    {"cmd": "start", "id": 1}            -> {"event": "done", "id": 1, "result": <base64>,
-                                             "elapsed_s": ..., "counters": {...}}
+    {"cmd": "start", "id": 1}
+        -> {"event": "done", "id": 1, "result": <base64>, "elapsed_s": ..., "counters": ...}
     {"cmd": "exit"}
+
+("collective": "transfers" takes "send" and "recv" lists instead of "data".)
 """
 from __future__ import annotations
 
@@ -22,15 +25,15 @@ import time
 
 import numpy as np
 
-from traffic.collectives import RingAllReduce, Transfers, TreeAllReduce
+from traffic.collectives import (HierarchicalAllReduce, RingAllReduce, Transfers,
+                                  TreeAllReduce)
 from traffic.mrc import EXT_BYTES, CreditPool, MrcParams, MrcQP
-from traffic.nic import Nic, PacketWire
+from traffic.nic import Nic, PacketWire, drive
 from traffic.qp import Region
 from traffic.rc import RcParams, RcQP
 from traffic.roce import Path
 
 TRANSPORTS = {"rc": (RcQP, RcParams), "mrc": (MrcQP, MrcParams)}
-ALLREDUCE = {"ring": RingAllReduce, "tree": TreeAllReduce}
 REGION_VA = 0x10000000
 
 
@@ -41,9 +44,15 @@ def qpn_for(collective_id: int, peer_rank: int) -> int:
 
 
 class Agent:
-    def __init__(self, intf: str, mac: str, ip: str, rate_mbps: float):
-        self.mac, self.ip = mac, ip
-        self.nic = Nic(PacketWire(intf), rate_mbps, EXT_BYTES)
+    """A GPU host: its scale-out NIC and, on rack fabrics, its scale-up NIC."""
+
+    def __init__(self, nics: dict[str, tuple[str, str, str, float]], rack: int = 0):
+        # network -> (interface, MAC, IP, rate)
+        self.rack = rack
+        self.addr = {net: (mac, ip) for net, (_, mac, ip, _) in nics.items()}
+        self.nics = {net: Nic(PacketWire(intf, ip), rate, EXT_BYTES)
+                     for net, (intf, _, ip, rate) in nics.items()}
+        self.nic = self.nics["scale-out"]
         self.pending = None
 
     def emit(self, **event) -> None:
@@ -58,36 +67,28 @@ class Agent:
             given.setdefault("line_rate_mbps", self.nic.rate_bps / 1e6)
         params = params_cls(**given)
         peers = {p["rank"]: p for p in cmd["peers"]}
-        self.nic.qps.clear()
-        self.nic.rr.clear()
+        for nic in self.nics.values():
+            nic.qps.clear()
+            nic.rr.clear()
         qps = {}
         extra = {}
         if getattr(params, "credit_budget_packets", 0):
             extra["credit_pool"] = CreditPool(params.credit_budget_packets)
 
-        def qp_to(peer_rank: int, region: Region):
-            if peer_rank not in qps:
+        def qp_to(peer_rank: int, region: Region, network: str = "scale-out"):
+            if (network, peer_rank) not in qps:
                 p = peers[peer_rank]
-                path = Path(self.mac, p["next_hop_mac"], self.ip, p["ip"])
-                qps[peer_rank] = self.nic.add(qp_cls(path, qpn_for(cid, peer_rank),
-                                                     qpn_for(cid, rank), region, params,
-                                                     **extra))
-            return qps[peer_rank]
+                mac, ip = self.addr[network]
+                path = Path(mac, p["next_hop_mac"], ip, p["ip"]) if network == "scale-out" \
+                    else Path(mac, p["up_mac"], ip, p["up_ip"])
+                qps[network, peer_rank] = self.nics[network].add(
+                    qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank), region, params,
+                           **extra))
+            return qps[network, peer_rank]
 
         if cmd["collective"] == "allreduce":
-            n = len(peers) + 1
-            data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32)
-            cls = ALLREDUCE[cmd.get("algorithm", "ring")]
-            region = Region(rkey=cid, buf=bytearray(cls.region_bytes(len(data), n)),
-                            base_va=REGION_VA)
-            if cls is RingAllReduce:
-                right, left = qp_to((rank + 1) % n, region), qp_to((rank - 1) % n, region)
-                algo = RingAllReduce(rank, n, data, right, left, region, REGION_VA, cid)
-            else:
-                tree = [p for p in ((rank - 1) // 2, 2 * rank + 1, 2 * rank + 2)
-                        if 0 <= p < n and p != rank]
-                algo = TreeAllReduce(rank, n, data, {p: qp_to(p, region) for p in tree},
-                                     region, REGION_VA, cid)
+            data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32).copy()
+            algo = self._allreduce(cmd.get("algorithm", "ring"), cid, rank, peers, data, qp_to)
         elif cmd["collective"] == "transfers":
             # recv: [{"rank", "bytes", "offset"}]: where each peer's message lands here;
             # send: [{"rank", "bytes", "offset"}]: where ours lands in the peer's region.
@@ -106,35 +107,77 @@ class Agent:
         self.pending = (cid, algo, op, cmd.get("timeout_s", 60.0))
         self.emit(event="ready", id=cid)
 
+    def _allreduce(self, algorithm: str, cid: int, rank: int, peers: dict, data, qp_to):
+        n = len(peers) + 1
+
+        def region(nbytes: int) -> Region:
+            return Region(rkey=cid, buf=bytearray(nbytes), base_va=REGION_VA)
+
+        if algorithm == "ring":
+            r = region(RingAllReduce.region_bytes(len(data), n))
+            return RingAllReduce(rank, n, data, qp_to((rank + 1) % n, r),
+                                 qp_to((rank - 1) % n, r), r, REGION_VA, cid)
+        if algorithm == "tree":
+            r = region(TreeAllReduce.region_bytes(len(data), n))
+            tree = [p for p in ((rank - 1) // 2, 2 * rank + 1, 2 * rank + 2)
+                    if 0 <= p < n and p != rank]
+            return TreeAllReduce(rank, n, data, {p: qp_to(p, r) for p in tree}, r,
+                                 REGION_VA, cid)
+        if algorithm == "hier":
+            if "scale-up" not in self.nics:
+                raise ValueError("hierarchical all-reduce needs a scale-up NIC (rack topology)")
+            racks_of = {rank: self.rack, **{p: peers[p]["rack"] for p in peers}}
+            racks = sorted(set(racks_of.values()))
+            members = sorted(p for p, k in racks_of.items() if k == self.rack)
+            local, g = members.index(rank), len(members)
+            # the GPUs of my local rank, one per rack, in rack order
+            column = [sorted(p for p, k in racks_of.items() if k == rk)[local] for rk in racks]
+            k, nr = racks.index(self.rack), len(racks)
+            up_bytes, out_bytes = HierarchicalAllReduce.region_bytes(len(data), g, nr)
+            ru, ro = region(up_bytes), region(out_bytes)
+            up = (qp_to(members[(local + 1) % g], ru, "scale-up") if g > 1 else None,
+                  qp_to(members[(local - 1) % g], ru, "scale-up") if g > 1 else None, ru)
+            out = (qp_to(column[(k + 1) % nr], ro) if nr > 1 else None,
+                   qp_to(column[(k - 1) % nr], ro) if nr > 1 else None, ro)
+            return HierarchicalAllReduce(local, g, k, nr, data, up, out, REGION_VA, cid)
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending
         t0, cpu0 = time.monotonic(), time.process_time()
         algo.start(t0)
+        nics = list(self.nics.values())
 
         def done() -> bool:
             now = time.monotonic()
-            for qp in self.nic.qps.values():
-                while qp.events:
-                    algo.on_event(qp, qp.events.pop(0), now)
+            for nic in nics:
+                for qp in nic.qps.values():
+                    while qp.events:
+                        algo.on_event(qp, qp.events.pop(0), now)
             return algo.done()
 
-        ok = self.nic.run_until(done, timeout_s)
+        ok = drive(nics, done, timeout_s)
         elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
         # linger briefly so the peers' last ACKs/SACKs we owe them go out
-        self.nic.run_until(lambda: False, 0.02)
+        drive(nics, lambda: False, 0.02)
+        counters, evs = {}, {}
+        for net, nic in self.nics.items():
+            prefix = "" if net == "scale-out" else "up:"
+            for qpn, qp in nic.qps.items():
+                counters[f"{qp.kind}:{prefix}{qpn:#x}"] = qp.counters.as_dict()
+                if hasattr(qp, "ev_report"):
+                    evs[f"{prefix}{qpn:#x}"] = qp.ev_report()
         self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed, cpu_s=cpu_s,
-                  counters={f"{qp.kind}:{qpn:#x}": qp.counters.as_dict()
-                            for qpn, qp in self.nic.qps.items()},
-                  evs={f"{qpn:#x}": qp.ev_report() for qpn, qp in self.nic.qps.items()
-                       if hasattr(qp, "ev_report")},
-                  nic={"malformed": self.nic.malformed, "unknown_qp": self.nic.unknown_qp,
+                  counters=counters, evs=evs,
+                  nic={"malformed": sum(n.malformed for n in nics),
+                       "unknown_qp": sum(n.unknown_qp for n in nics),
                        "pause_frames_received": self.nic.pause_frames_received,
                        "paused_s": self.nic.paused_s},
                   **algo.report(op))
         self.pending = None
 
     def serve(self) -> None:
-        self.emit(event="hello", ip=self.ip)
+        self.emit(event="hello", ip=self.addr["scale-out"][1])
         for line in sys.stdin:
             cmd = json.loads(line)
             try:
@@ -154,8 +197,14 @@ def main() -> None:
     ap.add_argument("--mac", required=True)
     ap.add_argument("--ip", required=True)
     ap.add_argument("--rate-mbps", type=float, required=True)
+    ap.add_argument("--rack", type=int, default=0)
+    ap.add_argument("--up", nargs=4, metavar=("INTF", "MAC", "IP", "RATE_MBPS"),
+                    help="the scale-up NIC, on rack fabrics")
     a = ap.parse_args()
-    Agent(a.intf, a.mac, a.ip, a.rate_mbps).serve()
+    nics = {"scale-out": (a.intf, a.mac, a.ip, a.rate_mbps)}
+    if a.up:
+        nics["scale-up"] = (a.up[0], a.up[1], a.up[2], float(a.up[3]))
+    Agent(nics, a.rack).serve()
 
 
 if __name__ == "__main__":

@@ -28,17 +28,22 @@ def chunk_bounds(n_elems: int, n: int) -> list[tuple[int, int]]:
 
 
 class RingAllReduce:
-    """Rank `rank` of `n`: sends on `right` (a QP to rank+1), receives into `region`."""
+    """Rank `rank` of `n`: sends on `right` (a QP to rank+1), receives into `region`.
 
-    def __init__(self, rank: int, n: int, data: np.ndarray, right: QueuePair,
-                 left: QueuePair, region: Region, peer_va: int, peer_rkey: int):
+    Works in place on `buf`. `steps` runs a part of it: range(0, n-1) is the
+    reduce-scatter alone (rank r then owns the reduced chunk `owned_chunk`),
+    range(n-1, 2n-2) the all-gather alone: the hierarchical all-reduce uses both."""
+
+    def __init__(self, rank: int, n: int, buf: np.ndarray, right: QueuePair | None,
+                 left: QueuePair | None, region: Region, peer_va: int, peer_rkey: int,
+                 steps: range | None = None):
         self.rank, self.n = rank, n
-        self.buf = data.astype(np.float32).copy()
+        self.buf = buf
         self.right, self.left, self.region = right, left, region
         self.peer_va, self.peer_rkey = peer_va, peer_rkey
         self.bounds = chunk_bounds(len(self.buf), n)
         self.slot_bytes = max(e - s for s, e in self.bounds) * 4
-        self.steps = 2 * (n - 1)
+        self.steps = steps if steps is not None else range(2 * (n - 1))
         self.received = 0
         self.sent_acked = 0
 
@@ -46,6 +51,11 @@ class RingAllReduce:
     def region_bytes(n_elems: int, n: int) -> int:
         slot = max(e - s for s, e in chunk_bounds(n_elems, n)) * 4
         return max(1, 2 * (n - 1) * slot)
+
+    @property
+    def owned_chunk(self) -> int:
+        """The chunk this rank holds fully reduced after the reduce-scatter."""
+        return (self.rank + 1) % self.n
 
     def _send_chunk(self, s: int) -> int:
         return (self.rank - s) % self.n if s < self.n - 1 else \
@@ -56,8 +66,8 @@ class RingAllReduce:
             (self.rank - (s - (self.n - 1))) % self.n
 
     def start(self, now: float) -> None:
-        if self.n > 1:
-            self._post(0)
+        if len(self.steps):
+            self._post(self.steps[0])
 
     def _post(self, s: int) -> None:
         lo, hi = self.bounds[self._send_chunk(s)]
@@ -65,28 +75,88 @@ class RingAllReduce:
                               self.peer_rkey, tag=s)
 
     def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
-        kind, tag = event[0], event[1]
+        kind, s = event[0], event[1]
         if kind == "sent" and qp is self.right:
             self.sent_acked += 1
         elif kind == "received" and qp is self.left:
-            s = tag
             lo, hi = self.bounds[self._recv_chunk(s)]
-            off = s * self.slot_bytes
-            incoming = np.frombuffer(self.region.buf, np.float32, hi - lo, off)
+            incoming = np.frombuffer(self.region.buf, np.float32, hi - lo, s * self.slot_bytes)
             if s < self.n - 1:
                 self.buf[lo:hi] += incoming
             else:
                 self.buf[lo:hi] = incoming
             self.received += 1
-            if s + 1 < self.steps:
+            if s + 1 in self.steps:
                 self._post(s + 1)
 
     def done(self) -> bool:
-        return self.received == self.steps and self.sent_acked == self.steps
+        return self.received == len(self.steps) and self.sent_acked == len(self.steps)
 
     def report(self, op: str) -> dict:
-        result = self.buf / self.n if op == "mean" else self.buf
-        return {"result": base64.b64encode(result.astype(np.float32).tobytes()).decode()}
+        return _result(self.buf, self.n, op)
+
+
+class HierarchicalAllReduce:
+    """All-reduce in three phases, as on GPU racks: reduce-scatter inside the rack over
+    the fast scale-up links (local rank l of g ends with chunk l+1 summed over its rack),
+    ring all-reduce of that chunk across the racks over scale-out, among the GPUs of
+    the same local rank, then all-gather inside the rack. Scale-out carries only 1/g of
+    the data: the win when scale-up is ~9x faster."""
+
+    def __init__(self, local_rank: int, g: int, rack: int, racks: int, buf: np.ndarray,
+                 up: tuple[QueuePair, QueuePair, Region], out: tuple[QueuePair, QueuePair, Region],
+                 peer_va: int, rkey: int):
+        self.buf, self.n = buf, g * racks
+        self.up_qps = {id(up[0]), id(up[1])} if g > 1 else set()
+        self.rs = RingAllReduce(local_rank, g, buf, *up, peer_va, rkey, steps=range(g - 1))
+        lo, hi = self.rs.bounds[self.rs.owned_chunk]
+        self.across = RingAllReduce(rack, racks, buf[lo:hi], *out, peer_va, rkey)
+        self.ag = RingAllReduce(local_rank, g, buf, *up, peer_va, rkey,
+                                steps=range(g - 1, 2 * (g - 1)))
+        self.phases = [self.rs, self.across, self.ag]
+        self.current = 0
+        self.early: list[tuple] = []      # events of phases not started yet
+
+    @staticmethod
+    def region_bytes(n_elems: int, g: int, racks: int) -> tuple[int, int]:
+        chunk = max(e - s for s, e in chunk_bounds(n_elems, g))
+        return RingAllReduce.region_bytes(n_elems, g), RingAllReduce.region_bytes(chunk, racks)
+
+    def _owner(self, qp: QueuePair, event: tuple):
+        if id(qp) not in self.up_qps:
+            return self.across
+        return self.rs if event[1] in self.rs.steps else self.ag
+
+    def start(self, now: float) -> None:
+        self.rs.start(now)
+        self._advance(now)
+
+    def _advance(self, now: float) -> None:
+        while self.phases[self.current].done() and self.current + 1 < len(self.phases):
+            self.current += 1
+            self.phases[self.current].start(now)
+            early, self.early = self.early, []
+            for qp, event in early:
+                self.on_event(qp, event, now)
+
+    def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
+        phase = self._owner(qp, event)
+        if phase is not self.phases[self.current]:
+            self.early.append((qp, event))     # a faster peer is a phase ahead of us
+            return
+        phase.on_event(qp, event, now)
+        self._advance(now)
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.phases)
+
+    def report(self, op: str) -> dict:
+        return _result(self.buf, self.n, op)
+
+
+def _result(buf: np.ndarray, n: int, op: str) -> dict:
+    result = buf / n if op == "mean" else buf
+    return {"result": base64.b64encode(result.astype(np.float32).tobytes()).decode()}
 
 
 class TreeAllReduce:
@@ -100,7 +170,7 @@ class TreeAllReduce:
     def __init__(self, rank: int, n: int, data: np.ndarray, qps: dict[int, QueuePair],
                  region: Region, peer_va: int, peer_rkey: int):
         self.rank, self.n = rank, n
-        self.buf = data.astype(np.float32).copy()
+        self.buf = data
         self.qps, self.region = qps, region
         self.peer_va, self.peer_rkey = peer_va, peer_rkey
         self.parent = (rank - 1) // 2 if rank else None
@@ -157,8 +227,7 @@ class TreeAllReduce:
         return self.have_result and self.acked == self.sends
 
     def report(self, op: str) -> dict:
-        result = self.buf / self.n if op == "mean" else self.buf
-        return {"result": base64.b64encode(result.astype(np.float32).tobytes()).decode()}
+        return _result(self.buf, self.n, op)
 
 
 def pattern_bytes(src_rank: int, dst_rank: int, nbytes: int) -> bytes:

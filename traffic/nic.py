@@ -20,7 +20,7 @@ from collections.abc import Callable
 from traffic.constants import (DSCP_CNP, DSCP_ROCE_DATA, MAC_CONTROL_ETHERTYPE,
                                MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
                                PAUSE_QUANTUM_BIT_TIMES, PFC_PRIORITY_COUNT, PRIORITY_CNP,
-                               PRIORITY_ROCE_DATA)
+                               PRIORITY_ROCE_DATA, ROCE_V2_UDP_PORT)
 from traffic.qp import QueuePair
 from traffic.roce import ETH_P_IP, Malformed, parse
 
@@ -68,7 +68,7 @@ class PacketWire(SocketWire):
     to all: an all-protocol tap sees frames before the ingress hook, so it would
     receive what an nftables loss rule drops."""
 
-    def __init__(self, intf: str, rcvbuf_bytes: int = 64 << 20):
+    def __init__(self, intf: str, ip: str, rcvbuf_bytes: int = 64 << 20):
         super().__init__(self._bound(intf, ETH_P_IP, rcvbuf_bytes))
         self.control = self._bound(intf, MAC_CONTROL_ETHERTYPE, 1 << 20)
         self.control.setblocking(False)
@@ -76,7 +76,7 @@ class PacketWire(SocketWire):
         # answering each with an ICMP port unreachable. Nothing reads this socket.
         self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.holder.bind(("0.0.0.0", 4791))
+        self.holder.bind((ip, ROCE_V2_UDP_PORT))
 
     @staticmethod
     def _bound(intf: str, proto: int, rcvbuf_bytes: int) -> socket.socket:
@@ -222,23 +222,23 @@ class Nic:
                 wake = min(wake, qp.next_tx)
         return wake
 
-    def run_until(self, done: Callable[[], bool], timeout_s: float,
-                  extra_fds: list | None = None, on_fd: Callable | None = None) -> bool:
-        """Drive the NIC until done() or the timeout; returns done()."""
-        poller = select.poll()
-        wire_fds = self.wire.filenos()
-        for fd in wire_fds + (extra_fds or []):
+
+def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float) -> bool:
+    """Run a host's NICs until done() or the timeout; returns done()."""
+    poller = select.poll()
+    for nic in nics:
+        for fd in nic.wire.filenos():
             poller.register(fd, select.POLLIN)
-        end = time.monotonic() + timeout_s
-        while not done():
-            now = time.monotonic()
-            if now > end:
-                return False
-            self.receive(now)
-            self.transmit(now)
-            wake = self.timers(now)
-            wait_ms = max(0.0, (min(wake, end) - time.monotonic()) * 1000)
-            for fd, _ in poller.poll(wait_ms if not self.ctrl else 0):
-                if fd not in wire_fds and on_fd:
-                    on_fd(fd)
-        return True
+    end = time.monotonic() + timeout_s
+    while not done():
+        now = time.monotonic()
+        if now > end:
+            return False
+        wake = end
+        for nic in nics:
+            nic.receive(now)
+            nic.transmit(now)
+            wake = min(wake, nic.timers(now))
+        busy = any(nic.ctrl for nic in nics)
+        poller.poll(0 if busy else max(0.0, (wake - time.monotonic()) * 1000))
+    return True

@@ -40,7 +40,9 @@ fi
 
 # The virtualenv: distribution python (it sees the distribution's mininet module).
 stamp="$VENV/.provisioned"
-want="$(sha256sum "$REPO/setup.py" | cut -d' ' -f1)"
+# Reinstall when setup.py or the set of top-level packages changes (an editable
+# install maps the packages that existed when it was made).
+want="$( (cat "$REPO/setup.py"; cd "$REPO" && ls -d */__init__.py) | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtualenv $VENV"
     /usr/bin/python3 -m venv --system-site-packages "$VENV"
@@ -48,8 +50,7 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing fabriclab and its Python dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip
-    # compat mode: the repo itself goes on sys.path, so new packages need no reinstall
-    "$VENV/bin/pip" install -q -e "$REPO[test]" --config-settings editable_mode=compat
+    "$VENV/bin/pip" install -q -e "$REPO[test]"
     echo "$want" > "$stamp"
 else
     log "virtualenv: up to date"

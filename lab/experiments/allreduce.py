@@ -27,6 +27,8 @@ class Params:
         if self.algorithm not in allreduce.ALGORITHMS:
             raise UsageError(f"algorithm must be one of {', '.join(allreduce.ALGORITHMS)}, "
                              f"got {self.algorithm!r}")
+        if self.algorithm == "hier" and self.topology != "rack":
+            raise UsageError("algorithm=hier runs inside racks: it needs topology=rack")
         if self.transport not in allreduce.TRANSPORTS:
             raise UsageError(f"transport must be one of {', '.join(allreduce.TRANSPORTS)}, "
                              f"got {self.transport!r}")
@@ -41,7 +43,10 @@ def run(ctx: RunContext) -> dict:
     ctx.progress(f"{p.algorithm} all-reduce of {elems * 4 / 1e6:.1f} MB per GPU over {n} GPU "
                  f"hosts ({p.transport})")
     m = allreduce.run(ctx.net, tensors, p.transport, algorithm=p.algorithm)
-    m["model_time_s"] = model_time_s(p.algorithm, n, m["size_bytes"], m["link_rate_mbps"])
+    racks = len({h.rack for h in ctx.fabric.hosts}) if p.algorithm == "hier" else 1
+    up = ctx.fabric.hosts[0].interface("scale-up").rate_mbps if p.algorithm == "hier" else 0.0
+    m["model_time_s"] = model_time_s(p.algorithm, n, m["size_bytes"], m["link_rate_mbps"],
+                                     racks, up)
     for key in ("results", "expected"):
         m.pop(key)
     ctx.progress(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
@@ -49,11 +54,20 @@ def run(ctx: RunContext) -> dict:
     return m
 
 
-def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float) -> float:
-    """The bandwidth term of the alpha-beta model, which no run can beat: a ring moves
-    2(n-1)/n S over every link; a tree's root takes S from each of its children."""
-    volume = 2 * (n - 1) / n * size_bytes if algorithm == "ring" else min(2, n - 1) * size_bytes
-    return volume * 8 / (link_mbps * 1e6)
+def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
+                 racks: int = 1, up_mbps: float = 0.0) -> float:
+    """The bandwidth term of the alpha-beta model, which no run can beat. A ring moves
+    2(n-1)/n S over every link; a tree's root takes S from each of its children;
+    hierarchical: a ring of the g GPUs of a rack over scale-up (2(g-1)/g S), then a
+    ring across the racks over scale-out on 1/g of the data."""
+    bits = size_bytes * 8
+    if algorithm == "tree":
+        return min(2, n - 1) * bits / (link_mbps * 1e6)
+    if algorithm == "hier":
+        g = n // racks
+        return (2 * (g - 1) / g * bits / (up_mbps * 1e6)
+                + 2 * (racks - 1) / racks * bits / g / (link_mbps * 1e6))
+    return 2 * (n - 1) / n * bits / (link_mbps * 1e6)
 
 
 def claims(params: Params, m: dict) -> list[Claim]:

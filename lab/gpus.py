@@ -80,8 +80,8 @@ class GpuAgents:
                                              stderr=subprocess.PIPE, text=True, bufsize=1)
             state.record_process(proc.pid, f"--intf {intf.name}", "gpu-agent")
             self.procs[h.name] = proc
-        for h in self.hosts:
-            self._expect(h.name, "hello", timeout_s=30)
+        for h in self.hosts:   # generous: many Python starts on a slow (emulated) CPU
+            self._expect(h.name, "hello", timeout_s=120)
 
     def _send(self, host: str, **cmd) -> None:
         self.procs[host].stdin.write(json.dumps(cmd) + "\n")
@@ -126,7 +126,7 @@ class GpuAgents:
             self._send(h.name, cmd="prepare", id=cid, rank=rank, peers=self._peers(h),
                        timeout_s=timeout_s, **commands[h.name])
         for h in self.hosts:
-            self._expect(h.name, "ready", timeout_s=30)
+            self._expect(h.name, "ready", timeout_s=60)
         for h in self.hosts:
             self._send(h.name, cmd="start", id=cid)
         done = {h.name: self._expect(h.name, "done", timeout_s + 10) for h in self.hosts}

@@ -48,8 +48,8 @@ def test_allreduce_experiment_checks_its_claims(tmp_path, algorithm, topology):
 def test_ecmp_vs_spray(tmp_path):
     out = tmp_path / "ev"
     r = fabriclab("run", "ecmp-vs-spray", "--set", "flow_mb=1", "--out", str(out))
-    m = json.loads((out / "metrics.json").read_text())
     assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())
     mx = m["metrics"]
     spread = mx["mrc_explicit"]["bytes_per_spine_uplink"]
     assert len(spread) == 4 and min(spread) > 0.9 * sum(spread) / 4
@@ -62,8 +62,8 @@ def test_loss_recovery(tmp_path, loss, mb):
     out = tmp_path / "lr"
     r = fabriclab("run", "loss-recovery", "--set", f"loss_percent={loss}", "--set",
                   f"flow_mb={mb}", "--out", str(out))
-    m = json.loads((out / "metrics.json").read_text())["metrics"]
     assert r.returncode in (0, 1), r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())["metrics"]
     rc, mrc = m["rc"], m["mrc"]
     assert rc["intact"] and mrc["intact"] and rc["lost_packets"] > 0 < mrc["lost_packets"]
     # MRC resends what was lost, plus only what a stalled host made it resend in vain
@@ -75,10 +75,12 @@ def test_loss_recovery(tmp_path, loss, mb):
 
 
 def test_gpu_host_honours_real_pfc_frames(tmp_path):
-    """PFC frames sent onto a GPU host's link (as its leaf would) stop its RoCE traffic."""
+    """PFC frames sent onto a GPU host's link (as its leaf would) stop its RoCE traffic:
+    the leaf's port counter shows nothing arriving from the host while it is paused."""
     import socket
     import threading
     import time
+    from pathlib import Path
 
     from lab.gpus import GpuAgents
     from lab.network import FabricNetwork
@@ -90,24 +92,29 @@ def test_gpu_host_honours_real_pfc_frames(tmp_path):
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
         g0 = net.fabric.host("g0")
         leaf_port = f"{g0.interface().switch}-eth{g0.interface().port}"
+        rx = Path(f"/sys/class/net/{leaf_port}/statistics/rx_packets")
         with GpuAgents(net) as gpus:
-            [clean] = gpus.transfers([("g0", "g1", 1_000_000)], "rc")
             result = {}
             flow = threading.Thread(target=lambda: result.update(
-                gpus.transfers([("g0", "g1", 1_000_000)], "rc")[0]))
+                gpus.transfers([("g0", "g1", 3_000_000)], "rc")[0]))
             flow.start()
-            time.sleep(0.03)
+            start = int(rx.read_text())
+            while int(rx.read_text()) < start + 100:      # the flow is under way
+                time.sleep(0.01)
             tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
             tap.bind((leaf_port, 0))
-            for _ in range(3):     # 0xFFFF quanta at 100 Mb/s: 335 ms each, refreshed
-                tap.send(bytes(pfc_pause({PRIORITY_ROCE_DATA: 0xFFFF})))
-                time.sleep(0.1)
+            # 0xFFFF quanta at 100 Mb/s pause for 335 ms
+            tap.send(bytes(pfc_pause({PRIORITY_ROCE_DATA: 0xFFFF})))
+            time.sleep(0.05)                              # what was in flight lands
+            before = int(rx.read_text())
+            time.sleep(0.2)
+            during = int(rx.read_text()) - before
             tap.close()
-            flow.join(timeout=30)
-    assert clean["intact"] and result["intact"]
-    assert result["sender_nic"]["pause_frames_received"] == 3
-    assert result["sender_nic"]["paused_s"][PRIORITY_ROCE_DATA] > 0.5
-    assert result["completion_s"] > clean["completion_s"] + 0.4
+            flow.join(timeout=120)
+    assert result["intact"]
+    assert result["sender_nic"]["pause_frames_received"] == 1
+    assert result["sender_nic"]["paused_s"][PRIORITY_ROCE_DATA] > 0.3
+    assert during <= 2, f"{during} frames left the paused host"
 
 
 def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
@@ -139,7 +146,7 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
     ops = subprocess.run(["tshark", "-X", lua, "-r", str(pcap), "-T", "fields", "-e",
                           "infiniband.bth.opcode"], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert len(ops) > 500
+    assert len(ops) > 200
     assert {"6", "7", "9", "11", "17", "193"} <= set(ops)   # WRITE FIRST, MIDDLE, LAST and ONLY
     # with immediate, ACK, MRC SACK
     bad = subprocess.run(["tshark", "-X", lua, "-r", str(pcap), "-Y",

@@ -16,7 +16,7 @@ from conftest import fabriclab
 from test_packets import icrc_by_spec, tshark
 from traffic.constants import (DSCP_ROCE_DATA, MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
                                MRC_SACKX_BYTES, PSN_MODULUS, ROCE_V2_UDP_PORT, Ecn, Opcode)
-from traffic.packets import (RETH, FrameTemplate, ImmDt, MrcSack, mrc_data, mrc_sack,
+from traffic.packets import (RETH, ImmDt, MrcSack, mrc_data, mrc_sack,
                              rc_write_packets)
 from traffic.samples import WIRESHARK_LUA, sample_frames, write_samples
 
@@ -65,18 +65,6 @@ def test_mrc_data_is_a_self_describing_write_only_with_immediate():
     assert (frame[RETH].va, frame[RETH].rkey, frame[RETH].dma_len) == (0x7000_0400, 0xBEEF, 37)
     assert frame[ImmDt].imm == 0x0005_012C   # message id mod 2**16, then 300 packets
     assert frame[Raw].load == payload + bytes(3)
-
-
-def test_fast_path_stamps_mrc_data():
-    """FrameTemplate patches what changes from packet to packet of a message: PSN, EV, VA."""
-    def build(psn: int, ev: int, va: int):
-        return mrc_data(bytes(256), dst_qp=QP, psn=psn, ev=ev, va=va, rkey=0xBEEF,
-                        message_id=3, packets_in_message=8)
-
-    template = FrameTemplate(build(0, 0xD000, 0x1000))
-    for i, ev in enumerate([0xD001, 0xE5A5, 0xFFFF]):
-        psn, va = PSN_MODULUS - 1 + i, 0x1000 + 256 * i
-        assert template.build(psn, ev, va=va) == bytes(build(psn, ev, va))
 
 
 @pytest.mark.parametrize("count", [0, 0x10000])

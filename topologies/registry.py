@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 from topologies.base import FabricTopo, ParamError
-from topologies.fabric import Fabric
 from topologies.fattree import FatTree
 from topologies.leafspine import LeafSpine
 from topologies.rack import Rack

@@ -20,7 +20,7 @@ receiver's credit caps it too (what tames incast: the receiver sizes the credit)
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
                                MRC_MESSAGE_ID_MODULUS, MRC_SACK_BITMAP_BITS,

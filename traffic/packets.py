@@ -7,15 +7,13 @@ ImmDt, bound after BTH by opcode so raw frames dissect back into them, and the
 lab's MRC convention: data packets and the SACK with its SACKX header (see the
 MRC section below; traffic/wireshark/fabriclab_mrc.lua shows both in Wireshark).
 
-Builders return complete Ether frames as Scapy packets. Scapy builds only about
-a thousand RoCE frames a second (its ICRC code rebuilds the packet), so a traffic
-generator builds one frame per kind and stamps out the rest with FrameTemplate,
-which patches bytes, several hundred thousand a second.
+Builders return complete Ether frames as Scapy packets, for captures, samples
+and tests. Scapy builds only about a thousand RoCE frames a second (its ICRC code
+rebuilds the packet): the transports compose their frames as bytes instead
+(traffic/roce.py), byte for byte what these builders make (tests/test_roce.py).
 """
 from __future__ import annotations
 
-import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -27,7 +25,7 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw, bind_bottom_up
 
-from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA, ICRC_BYTES,
+from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA,
                                MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, MRC_IMM_COUNT_BITS,
                                MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
                                MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, PAUSE_QUANTA_MAX,
@@ -89,7 +87,7 @@ def _roce_udp(ep: Endpoints, dscp: int, ecn: Ecn) -> Packet:
     return (Ether(src=ep.src_mac, dst=ep.dst_mac)
             / IP(src=ep.src_ip, dst=ep.dst_ip, tos=dscp << 2 | ecn, flags="DF")
             # The ICRC protects the payload end to end, so RoCE v2 over IPv4 sends
-            # no UDP checksum (zero, as NICs do); it also keeps FrameTemplate cheap.
+            # no UDP checksum (zero, as NICs do).
             / UDP(sport=ep.src_port, dport=ROCE_V2_UDP_PORT, chksum=0))
 
 
@@ -290,91 +288,3 @@ def mrc_sack(cum_psn: int, *, dst_qp: int, ev: int, credit_psn: int,
             / BTH(opcode=Opcode.MRC_SACK, dqpn=dst_qp, psn=cum_psn % PSN_MODULUS)
             / MrcSack(bitmap=bitmap, ev=ev, flags=MRC_SACK_FLAG_ECN_ECHO if ecn_echo else 0,
                       credit_psn=credit_psn % PSN_MODULUS))
-
-
-def _ipv4_checksum(header: bytes | bytearray) -> int:
-    """RFC 791 header checksum of `header`, whose checksum field must be zero."""
-    total = sum(struct.unpack(f"!{len(header) // 2}H", header))
-    while total > 0xFFFF:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
-class FrameTemplate:
-    """A Scapy-built RoCE v2 / IPv4 frame re-stamped as bytes with new per-packet fields.
-
-    build() writes the PSN, UDP source port, IP identification and (for frames
-    with a RETH) the VA, then repairs the IPv4 header checksum and the ICRC. The
-    result is byte for byte what Scapy builds for the same field values.
-
-    The ICRC (IBA Annex A17) is the CRC-32 of a pseudo-packet: 8 bytes of 0xFF
-    standing in for the IB LRH, then IP header, UDP header, BTH and the rest of
-    the payload, with the fields that routers may rewrite masked to all ones:
-    IPv4 TOS (DSCP and ECN), TTL and header checksum, the UDP checksum, and the
-    BTH byte holding FECN, BECN and the 6 reserved bits. The template keeps that
-    pseudo-packet as a second buffer whose masked bytes are never written, so
-    each build patches both buffers and runs one zlib.crc32 over the second.
-    """
-
-    _PSN = struct.Struct("!I")        # BTH last word: AckReq, 7 reserved bits, 24-bit PSN
-    _U16 = struct.Struct("!H")
-    _U64 = struct.Struct("!Q")
-    _ICRC = struct.Struct("<I")       # the ICRC goes on the wire least significant byte first
-
-    def __init__(self, frame: Packet):
-        if IP not in frame or BTH not in frame:
-            raise ValueError("FrameTemplate needs a RoCE v2 frame over IPv4")
-        wire = bytes(frame)
-        ip = len(wire) - len(frame[IP])
-        ihl_bytes = (wire[ip] & 0x0F) * 4
-        ip_end = ip + self._U16.unpack_from(wire, ip + 2)[0]   # Ethernet padding excluded
-        udp = ip + ihl_bytes
-        bth = udp + 8
-        self._frame = bytearray(wire)
-        self._icrc = ip_end - ICRC_BYTES
-        self._ip_header = slice(ip, udp)
-        # Offsets of the patched fields in the frame; each sits at its offset
-        # + self._shift in the pseudo-packet, which starts 8 bytes before the IP header.
-        self._ip_id = ip + 4
-        self._ip_checksum = ip + 10
-        self._src_port = udp
-        self._psn_word = bth + 8
-        self._reth = bth + 12 if RETH in frame else None
-        self._shift = 8 - ip
-
-        pseudo = bytearray(b"\xff" * 8 + wire[ip:self._icrc])
-        for offset, size in ((ip + 1, 1),      # TOS
-                             (ip + 8, 1),      # TTL
-                             (ip + 10, 2),     # IPv4 header checksum
-                             (udp + 6, 2),     # UDP checksum
-                             (bth + 4, 1)):    # FECN, BECN, reserved
-            pseudo[offset + self._shift:offset + self._shift + size] = b"\xff" * size
-        self._pseudo = pseudo
-
-        # Defaults for build(): the template's own values.
-        self._ackreq_bits = wire[self._psn_word] << 24   # AckReq and 7 reserved bits, kept
-        self.src_port = frame[UDP].sport
-        self.ip_id = frame[IP].id
-        self.va = frame[RETH].va if self._reth is not None else None
-
-    def _patch(self, fmt: struct.Struct, offset: int, value: int) -> None:
-        """Write a field covered by the ICRC into the frame and the pseudo-packet."""
-        fmt.pack_into(self._frame, offset, value)
-        fmt.pack_into(self._pseudo, offset + self._shift, value)
-
-    def build(self, psn: int, src_port: int | None = None, ip_id: int | None = None,
-              va: int | None = None) -> bytes:
-        """The frame with these fields (PSN taken mod 2**24); None keeps the template's value."""
-        frame = self._frame
-        self._patch(self._PSN, self._psn_word, self._ackreq_bits | psn % PSN_MODULUS)
-        self._patch(self._U16, self._src_port, self.src_port if src_port is None else src_port)
-        self._patch(self._U16, self._ip_id, self.ip_id if ip_id is None else ip_id)
-        if self._reth is not None:
-            self._patch(self._U64, self._reth, self.va if va is None else va)
-        elif va is not None:
-            raise ValueError("this frame has no RETH to carry a VA")
-
-        self._U16.pack_into(frame, self._ip_checksum, 0)
-        self._U16.pack_into(frame, self._ip_checksum, _ipv4_checksum(frame[self._ip_header]))
-        self._ICRC.pack_into(frame, self._icrc, zlib.crc32(self._pseudo))
-        return bytes(frame)

@@ -7,7 +7,7 @@ Completed messages are queued in `events`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, PSN_MODULUS, Ecn
 from traffic.roce import Framer, Path, udp_sport_for_qp

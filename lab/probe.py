@@ -15,24 +15,16 @@ import time
 from dataclasses import dataclass
 
 from lab.netns import socket_in_netns
+from traffic.roce import internet_checksum
 
 ICMP_ECHO_REQUEST, ICMP_ECHO_REPLY = 8, 0
 INITIAL_TTL = 64        # Linux's default, which the replying host uses
 
 
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    s = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    s = (s >> 16) + (s & 0xFFFF)
-    s += s >> 16
-    return ~s & 0xFFFF
-
-
 def echo_request(ident: int, seq: int) -> bytes:
     payload = struct.pack("!Q", time.monotonic_ns())
     header = struct.pack("!BBHHH", ICMP_ECHO_REQUEST, 0, 0, ident, seq)
-    csum = _checksum(header + payload)
+    csum = internet_checksum(header + payload)
     return struct.pack("!BBHHH", ICMP_ECHO_REQUEST, 0, csum, ident, seq) + payload
 
 

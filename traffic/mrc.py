@@ -108,7 +108,6 @@ class MrcQP(QueuePair):
         self.snd_cum = 0                # every seq below is acknowledged
         self.snd_nxt = 0                # next new seq
         self.snd_end = 0
-        self.acked: set[int] = set()    # acknowledged seqs at or above snd_cum
         self.inflight: dict[int, Inflight] = {}
         self.retx: list[int] = []
         self.tx_index = 0
@@ -219,7 +218,6 @@ class MrcQP(QueuePair):
                   if bitmap >> i & 1 and base + i in self.inflight]
         for seq in newly:
             f = self.inflight.pop(seq)
-            self.acked.add(seq)
             if seq in self.retx:
                 self.retx.remove(seq)
             if f.sent_at != float("inf"):
@@ -231,7 +229,6 @@ class MrcQP(QueuePair):
             self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
         if cum > self.snd_cum:
             self.snd_cum = cum
-            self.acked = {s for s in self.acked if s >= cum}
             self.retire_acked(cum)
         self.credit_limit = max(self.credit_limit,
                                 self.snd_cum + psn_delta(credit, self.snd_cum))

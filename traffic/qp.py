@@ -62,7 +62,6 @@ class Message:
     tag: int                       # carried to the responder (RC: immediate; MRC: message id)
     first_seq: int = 0
     n_packets: int = 0
-    done: bool = False
 
 
 class QueuePair:
@@ -104,7 +103,6 @@ class QueuePair:
         keep = []
         for msg in self.messages:
             if msg.first_seq + msg.n_packets <= acked_below:
-                msg.done = True
                 self.events.append(("sent", msg.tag))
             else:
                 keep.append(msg)

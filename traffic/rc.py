@@ -49,7 +49,8 @@ class RcQP(QueuePair):
         self.nak_outstanding = False
         self.unacked_rx = 0
         self.msn = 0
-        self.rx_va = 0
+        self.rx_va = 0           # where the next in-order payload lands
+        self.rx_bytes = 0        # of the message being received
         p = self.params
         self.dcqcn = DcqcnParams().at_scale(p.rate_scale) if p.dcqcn else None
         self.rp: ReactionPoint | None = None       # made at the first send (needs the clock)

@@ -50,8 +50,11 @@ def udp_sport_for_qp(local_qpn: int, remote_qpn: int) -> int:
     return ((low ^ (high >> 14)) & 0x3FFF) | 0xC000
 
 
-def ipv4_checksum(header: bytes) -> int:
-    total = sum(struct.unpack("!10H", header))
+def internet_checksum(data: bytes) -> int:
+    """RFC 1071: the IPv4 header checksum (over a header whose checksum is zero), ICMP's too."""
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
     total = (total & 0xFFFF) + (total >> 16)
     total += total >> 16
     return ~total & 0xFFFF
@@ -94,7 +97,7 @@ class Framer:
         self.ip_id = (self.ip_id + 1) & 0xFFFF
         ip = bytearray(_IP.pack(0x45, self.tos, IPV4_BYTES + udp_len, self.ip_id, 0x4000,
                                 IP_TTL, socket.IPPROTO_UDP, 0, self.src_ip, self.dst_ip))
-        struct.pack_into("!H", ip, 10, ipv4_checksum(ip))
+        struct.pack_into("!H", ip, 10, internet_checksum(bytes(ip)))
         hdrs = bytes(ip) + _UDP.pack(sport, ROCE_V2_UDP_PORT, udp_len, 0) + _BTH.pack(
             opcode, pad << 4, DEFAULT_PKEY, becn << 30 | dqpn & 0xFFFFFF,
             (ackreq << 31) | (psn % PSN_MODULUS))

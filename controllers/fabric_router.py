@@ -5,7 +5,9 @@ learnt by flooding: each switch gets, as soon as it connects,
   * a /32 rule per host of the subnets it owns (MACs rewritten like a router),
   * a rule per other subnet towards its owner: one port, or an ECMP select
     group over every equal-cost port,
-  * ARP to the controller, which answers from the description (proxy ARP).
+  * ARP to the controller, which answers from the description (proxy ARP),
+  * MAC Control frames (PFC, PAUSE) to the controller, whose congestion app
+    honours them (controllers/congestion.py).
 Nothing else matches, and the switches run in fail-mode secure: no flooding,
 no spanning tree, no loops.
 
@@ -14,6 +16,12 @@ select-group hash leaves UDP ports out (measured: every UDP flow on one
 bucket), and OpenFlow 1.3 cannot choose another, so the app speaks OpenFlow
 1.5 and attaches OVS's selection-method group property ("dp_hash": the
 datapath's 5-tuple hash).
+
+Every route ends in an egress table (table 1) instead of an output: it loads
+the chosen port into reg0 and resubmits, and table 1 outputs by reg0. OpenFlow
+has no egress match, and a group's bucket cannot say "mark if congested"; one
+table keyed by the egress port is where the congestion app marks CE on a port,
+whatever route or ECMP bucket led there.
 """
 from __future__ import annotations
 
@@ -27,10 +35,12 @@ from os_ken.controller import ofp_event
 from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
 from os_ken.lib.packet import arp, ethernet, packet
 from os_ken.ofproto import ether, ofproto_v1_5
+from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
 from controllers.routes import Deliver, Forward, arp_table, routes_for
 from topologies.fabric import Fabric
-from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, ROCE_V2_UDP_PORT
+from traffic.constants import (EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
+                               ROCE_V2_UDP_PORT)
 
 cfg.CONF.register_cli_opts([
     cfg.StrOpt("fabric-file", help="fabric description (JSON) written by the lab"),
@@ -47,6 +57,12 @@ PRIORITY_HOST = 300
 PRIORITY_EXPLICIT_EV = 250     # a RoCE packet whose source port names its path
 PRIORITY_SUBNET = 200
 PRIORITY_ARP = 100
+PRIORITY_MAC_CONTROL = 100
+
+ROUTING_TABLE = 0
+EGRESS_TABLE = 1            # match reg0 (the egress port) -> output; CE marking lives here
+PRIORITY_EGRESS = 0
+PRIORITY_EGRESS_MARK = 10   # see controllers/congestion.py
 
 
 def logged(handler):
@@ -59,6 +75,11 @@ def logged(handler):
         except Exception:
             self.logger.exception("%s failed", handler.__name__)
     return wrapper
+
+
+def egress(parser, port: int) -> list:
+    """Leave by `port`, through the egress table."""
+    return [parser.OFPActionSetField(reg0=port), NXActionResubmitTable(table_id=EGRESS_TABLE)]
 
 
 def selection_method_property(parser, method: bytes):
@@ -132,8 +153,7 @@ class FabricRouter(app_manager.OSKenApp):
                 self.add_host_route(dp, route)
             elif len(route.ports) == 1:
                 self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
-                              [parser.OFPActionDecNwTtl(),
-                               parser.OFPActionOutput(route.ports[0])])
+                              [parser.OFPActionDecNwTtl(), *egress(parser, route.ports[0])])
             else:
                 if route.ports not in groups:
                     groups[route.ports] = len(groups) + 1
@@ -142,8 +162,14 @@ class FabricRouter(app_manager.OSKenApp):
                               [parser.OFPActionDecNwTtl(),
                                parser.OFPActionGroup(groups[route.ports])])
                 self.add_explicit_paths(dp, route)
+        to_controller = [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)]
         self.add_flow(dp, PRIORITY_ARP, parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP),
-                      [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)])
+                      to_controller)
+        self.add_flow(dp, PRIORITY_MAC_CONTROL, parser.OFPMatch(eth_type=MAC_CONTROL_ETHERTYPE),
+                      to_controller)
+        for port in sorted(self.fabric.switch_ports(name)):
+            self.add_flow(dp, PRIORITY_EGRESS, parser.OFPMatch(reg0=port),
+                          [parser.OFPActionOutput(port)], table_id=EGRESS_TABLE)
         self.pending_barrier.add(dp.id)
         dp.send_msg(parser.OFPBarrierRequest(dp))
 
@@ -153,13 +179,13 @@ class FabricRouter(app_manager.OSKenApp):
         if route.router_mac:   # routed: every switch is a hop, as in a /32 host-routed fabric
             actions += [parser.OFPActionSetField(eth_src=route.router_mac),
                         parser.OFPActionDecNwTtl()]
-        actions.append(parser.OFPActionOutput(route.port))
+        actions += egress(parser, route.port)
         self.add_flow(dp, PRIORITY_HOST,
                       parser.OFPMatch(eth_type=ether.ETH_TYPE_IP, ipv4_dst=route.ip), actions)
 
     def add_ecmp_group(self, dp, group_id: int, ports: tuple[int, ...]) -> None:
         ofp, parser = dp.ofproto, dp.ofproto_parser
-        buckets = [parser.OFPBucket(bucket_id=i, actions=[parser.OFPActionOutput(p)],
+        buckets = [parser.OFPBucket(bucket_id=i, actions=egress(parser, p),
                                     properties=[parser.OFPGroupBucketPropWeight(
                                         type_=ofp.OFPGBPT_WEIGHT, weight=1)])
                    for i, p in enumerate(ports)]
@@ -175,7 +201,7 @@ class FabricRouter(app_manager.OSKenApp):
             match = self.subnet_match(parser, route, ip_proto=17, udp_dst=ROCE_V2_UDP_PORT,
                                       udp_src=EXPLICIT_EV_BASE + i)
             self.add_flow(dp, PRIORITY_EXPLICIT_EV, match,
-                          [parser.OFPActionDecNwTtl(), parser.OFPActionOutput(port)])
+                          [parser.OFPActionDecNwTtl(), *egress(parser, port)])
 
     @staticmethod
     def subnet_match(parser, route: Forward, **more):
@@ -184,10 +210,11 @@ class FabricRouter(app_manager.OSKenApp):
                                ipv4_dst=(str(net.network_address), str(net.netmask)), **more)
 
     @staticmethod
-    def add_flow(dp, priority: int, match, actions) -> None:
+    def add_flow(dp, priority: int, match, actions, table_id: int = ROUTING_TABLE) -> None:
         parser = dp.ofproto_parser
         inst = [parser.OFPInstructionActions(dp.ofproto.OFPIT_APPLY_ACTIONS, actions)]
-        dp.send_msg(parser.OFPFlowMod(dp, priority=priority, match=match, instructions=inst))
+        dp.send_msg(parser.OFPFlowMod(dp, table_id=table_id, priority=priority, match=match,
+                                      instructions=inst))
 
     # --- ARP ------------------------------------------------------------------------
     def resolve(self, src_ip: str, dst_ip: str) -> str | None:

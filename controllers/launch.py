@@ -8,7 +8,7 @@ import argparse
 from os_ken import cfg, log
 from os_ken.base.app_manager import AppManager
 
-DEFAULT_APPS = ["controllers.fabric_router"]
+DEFAULT_APPS = ["controllers.fabric_router", "controllers.congestion"]
 
 
 def main(argv=None) -> None:
@@ -16,6 +16,7 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, required=True, help="OpenFlow TCP port on 127.0.0.1")
     ap.add_argument("--fabric", required=True, help="fabric description JSON")
     ap.add_argument("--status", required=True, help="file the app marks programmed switches in")
+    ap.add_argument("--congestion", default="", help="ECN/PFC configuration file (JSON)")
     ap.add_argument("--app", action="append", help="app module (default: the fabric router)")
     args = ap.parse_args(argv)
     apps = args.app or DEFAULT_APPS
@@ -23,7 +24,8 @@ def main(argv=None) -> None:
         __import__(app)   # an app registers its options at import: before they are parsed
     cfg.CONF(args=["--ofp-listen-host", "127.0.0.1", "--ofp-tcp-listen-port", str(args.port),
                    "--fabriclab-fabric-file", args.fabric,
-                   "--fabriclab-status-file", args.status],
+                   "--fabriclab-status-file", args.status,
+                   "--fabriclab-congestion-file", args.congestion],
              project="os_ken")
     log.init_log()
     AppManager.run_apps(apps)

@@ -31,6 +31,7 @@ class Controller:
         self.port = free_port()
         self.fabric_file = self.workdir / "fabric.json"
         self.status_file = self.workdir / "controller.status"
+        self.congestion_file = self.workdir / "congestion.json"
         self.log_file = self.workdir / "logs" / "controller.log"
         self.proc: subprocess.Popen | None = None
 
@@ -38,9 +39,12 @@ class Controller:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.fabric.save(self.fabric_file)
         self.status_file.write_text("")
+        for name in ("congestion.json", "congestion-state.json", "congestion-events.jsonl"):
+            (self.workdir / name).unlink(missing_ok=True)   # a fresh run's files only
         marker = f"--status {self.status_file}"
         cmd = [sys.executable, "-m", "controllers.launch", "--port", str(self.port),
-               "--fabric", str(self.fabric_file), "--status", str(self.status_file)]
+               "--fabric", str(self.fabric_file), "--status", str(self.status_file),
+               "--congestion", str(self.congestion_file)]
         with open(self.log_file, "w") as log:
             # Its own session: a Ctrl-C in the terminal reaches the lab, which
             # then stops the controller in order, after the switches.

@@ -32,16 +32,23 @@ def _run(args: list[str], ns: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True)
 
 
-def _qdisc_probes() -> dict[str, bool]:
+QDISC_PROBES = {
+    "htb": "htb default 1",
+    "tbf": "tbf rate 10mbit burst 10kb latency 50ms",
+    "red": "red limit 400000 min 30000 max 90000 avpkt 1000 burst 55 ecn "
+           "probability 0.02 bandwidth 100mbit",
+    "netem": "netem delay 1ms",
+    "fq_codel": "fq_codel",
+}
+
+
+def qdisc_available(name: str) -> bool:
+    """One live probe (e.g. "red"): what ECN mode 'auto' asks."""
+    return _qdisc_probes({name: QDISC_PROBES[name]}).get(name, False)
+
+
+def _qdisc_probes(tests: dict[str, str] = QDISC_PROBES) -> dict[str, bool]:
     """Try each qdisc / nftables feature on a veth inside a scratch namespace."""
-    tests = {
-        "htb": "htb default 1",
-        "tbf": "tbf rate 10mbit burst 10kb latency 50ms",
-        "red": "red limit 400000 min 30000 max 90000 avpkt 1000 burst 55 ecn "
-               "probability 0.02 bandwidth 100mbit",
-        "netem": "netem delay 1ms",
-        "fq_codel": "fq_codel",
-    }
     _run(["ip", "netns", "del", SCRATCH_NS])
     if _run(["ip", "netns", "add", SCRATCH_NS]).returncode:
         return {k: False for k in (*tests, "nftables")}
@@ -94,7 +101,7 @@ def capabilities() -> list[Capability]:
     probes = _qdisc_probes() if root else {}
     notes = {
         "htb": ("per-port rate limits and queues", True),
-        "tbf": ("nothing (htb is used)", False),
+        "tbf": ("the PFC pause gate of every switch queue", True),
         "red": ("ECN mode 'red' (kernel RED marking); the lab falls back to 'controller' "
                 "marking", False),
         "netem": ("link delay; random loss falls back to nftables", False),

@@ -1,40 +1,156 @@
 """Kernel queues on every link end: the one module that says what queues a port has.
 
-Each interface, switch or host side, gets an htb root at its link's rate with
-one class and a bounded byte FIFO under it. The bound matters on OVS's
-userspace datapath: without it the veth queue is capped by OVS's AF_PACKET send
-buffer, which drops the excess silently; with it, drops show in `tc -s qdisc`.
+A switch egress port (a veth end in the root namespace, which OVS sends out of):
+
+    htb 1: at the link rate
+     └ class 1:1, the link
+        ├ class 1:10  priority 0, everything unmapped   ─ tbf 10: (gate) ─ bfifo
+        ├ class 1:13  priority 3, RoCE data (DSCP 26)   ─ tbf 13: (gate) ─ bfifo, or red 23: (ECN)
+        └ class 1:16  priority 6, CNPs (DSCP 48)        ─ tbf 16: (gate) ─ bfifo
+    u32 filters on the DSCP (ECN bits masked off) pick the class.
+
+Every class is bounded in bytes, so backlog and drops show in `tc -s`. The bound
+matters on OVS's userspace datapath: it sends into the veth through an AF_PACKET
+socket whose send buffer holds ~100 KB, and past that it drops silently; the
+classes' buffers together stay under it.
+
+The tbf under each class is its PFC gate: at the link rate it is transparent;
+a pause sets its rate to 1 B/s (lab/tcnl.py: the kernel keeps the queue and
+resets the tokens on a change, so a resume takes effect at once; htb's own
+classes cannot do this: a class charged at a tiny rate owes up to 60 s).
+
+A GPU host's interface keeps one class: its transport paces and honours pause
+frames itself (traffic/nic.py); the queue there only bounds what the kernel holds.
 """
 from __future__ import annotations
 
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lab.errors import LabError
 from topologies.fabric import Fabric
+from traffic.constants import DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_ROCE_DATA
+
+DEFAULT_PRIORITY = 0
+AVERAGE_PACKET_BYTES = 1000        # RED's avpkt: RoCE frames at the default 1024-byte MTU
+# A paused gate: 1 byte/s, with a burst that still admits one frame (a tbf drops
+# frames larger than its burst at enqueue; paused frames must queue instead).
+PAUSED_RATE_BYTES_S = 1
+GATE_BURST_BYTES = 3000
+
+
+@dataclass
+class RedParams:
+    """Kernel RED with ECN on the RoCE class (needs sch_red)."""
+    kmin_kb: float
+    kmax_kb: float
+    pmax: float
 
 
 @dataclass
 class QueueParams:
-    # per egress queue: 5 ms at 100 Mb/s. Kept below the ~93 packets (~100 KB of 1 KB
-    # RoCE frames) that OVS userspace can have in an AF_PACKET send buffer: past that
-    # it drops silently, and the drops must happen here, where tc counts them.
+    # The lossless RoCE class's buffer: 5 ms at 100 Mb/s.
     buffer_kb: int = 64
+    # The other classes (control traffic, CNPs) are small: together with the RoCE
+    # class they stay below OVS's ~100 KB of AF_PACKET send buffer per port.
+    control_buffer_kb: int = 16
+    # DSCP -> priority; anything else -> DEFAULT_PRIORITY
+    dscp_priority: dict[int, int] = field(default_factory=lambda: dict(DSCP_PRIORITY))
+    red: RedParams | None = None
+
+    @property
+    def priorities(self) -> list[int]:
+        return sorted({DEFAULT_PRIORITY, *self.dscp_priority.values()})
+
+    def buffer_bytes(self, priority: int) -> int:
+        kb = self.buffer_kb if priority == PRIORITY_ROCE_DATA else self.control_buffer_kb
+        return kb * 1024
 
 
+# --- names: every reader of a queue (telemetry, the ECN and PFC engine) uses these ---
 def interface_name(node: str, port: int) -> str:
     """Mininet's interface name for a node's port."""
     return f"{node}-eth{port}"
 
 
-def shaping_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
+def class_minor(priority: int) -> int:
+    return 0x10 + priority
+
+
+def gate_major(priority: int) -> int:
+    """The tbf gate of a priority's class: handle <major>:, parent 1:<class_minor>."""
+    return 0x10 + priority
+
+
+def red_major(priority: int) -> int:
+    return 0x20 + priority
+
+
+def fifo_major(priority: int) -> int:
+    return 0x30 + priority
+
+
+def priority_of_gate(major: int) -> int | None:
+    return major - 0x10 if 0x10 <= major < 0x18 else None
+
+
+def gate_rate_bytes_s(rate_mbps: float) -> int:
+    return int(rate_mbps * 1e6 / 8)
+
+
+# --- configuration --------------------------------------------------------------------
+def host_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
     return [
         f"qdisc replace dev {intf} root handle 1: htb default 1",
         f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
         f"ceil {rate_mbps}mbit",
         f"qdisc replace dev {intf} parent 1:1 handle 10: bfifo limit {q.buffer_kb * 1024}",
     ]
+
+
+def switch_port_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
+    # Guaranteed shares; every class may borrow up to the link, and htb lends
+    # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest.
+    share = {PRIORITY_CNP: 0.05, PRIORITY_ROCE_DATA: 0.85, DEFAULT_PRIORITY: 0.10}
+    order = {PRIORITY_CNP: 0, PRIORITY_ROCE_DATA: 1}
+    lines = [
+        f"qdisc replace dev {intf} root handle 1: htb default {class_minor(DEFAULT_PRIORITY):x}",
+        f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
+        f"ceil {rate_mbps}mbit",
+    ]
+    for prio in q.priorities:
+        minor, gate = class_minor(prio), gate_major(prio)
+        limit = q.buffer_bytes(prio)
+        rate = rate_mbps * share.get(prio, 0.10 / len(q.priorities))
+        lines += [
+            f"class replace dev {intf} parent 1:1 classid 1:{minor:x} htb rate {rate:.3f}mbit "
+            f"ceil {rate_mbps}mbit prio {order.get(prio, 2)}",
+            f"qdisc replace dev {intf} parent 1:{minor:x} handle {gate:x}: tbf "
+            f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {GATE_BURST_BYTES} limit {limit}",
+        ]
+        if q.red is not None and prio == PRIORITY_ROCE_DATA:
+            lines.append(roce_queue_command(intf, rate_mbps, q))
+    for dscp, prio in sorted(q.dscp_priority.items()):
+        lines.append(f"filter replace dev {intf} parent 1: protocol ip prio 1 u32 "
+                     f"match ip dsfield {dscp << 2:#x} 0xfc flowid 1:{class_minor(prio):x}")
+    return lines
+
+
+def roce_queue_command(intf: str, rate_mbps: float, q: QueueParams) -> str:
+    """The queue behind the RoCE class's gate: kernel RED with ECN when q.red is set,
+    else a byte FIFO. (Distinct handles: tc replaces a qdisc of another kind only
+    when the handle differs.)"""
+    prio = PRIORITY_ROCE_DATA
+    parent, limit = f"{gate_major(prio):x}:1", q.buffer_bytes(prio)
+    if q.red is None:
+        return f"qdisc replace dev {intf} parent {parent} handle {fifo_major(prio):x}: " \
+               f"bfifo limit {limit}"
+    kmin, kmax = int(q.red.kmin_kb * 1024), int(q.red.kmax_kb * 1024)
+    burst = max(1, (2 * kmin + kmax) // (3 * AVERAGE_PACKET_BYTES))   # the tc-red(8) rule
+    return (f"qdisc replace dev {intf} parent {parent} handle {red_major(prio):x}: "
+            f"red limit {limit} min {kmin} max {kmax} avpkt {AVERAGE_PACKET_BYTES} "
+            f"burst {burst} probability {q.red.pmax} bandwidth {rate_mbps}mbit ecn")
 
 
 def host_interfaces(fabric: Fabric, host: str) -> list[str]:
@@ -47,10 +163,23 @@ def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
     batches: dict[str | None, list[str]] = {}
     for ln in fabric.links:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
-            ns = node if node in hosts else None
-            batches.setdefault(ns, []).extend(
-                shaping_commands(interface_name(node, port), ln.rate_mbps, q))
+            intf = interface_name(node, port)
+            if node in hosts:
+                batches.setdefault(node, []).extend(host_commands(intf, ln.rate_mbps, q))
+            else:
+                batches.setdefault(None, []).extend(switch_port_commands(intf, ln.rate_mbps, q))
     return batches
+
+
+def switch_ports(fabric: Fabric) -> list[tuple[str, int, str, float]]:
+    """(switch, port, interface, rate Mb/s) of every switch port on a link."""
+    switches = {s.name for s in fabric.switches}
+    out = []
+    for ln in fabric.links:
+        for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
+            if node in switches:
+                out.append((node, port, interface_name(node, port), ln.rate_mbps))
+    return out
 
 
 def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
@@ -76,6 +205,7 @@ def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
         _, err = proc.communicate()
         batch.close()
         if proc.returncode:
-            errors.append(f"{ns or 'switches'}: {err.strip().splitlines()[0] if err else '?'}")
+            lines = [ln for ln in err.strip().splitlines() if not ln.startswith("Warning")]
+            errors.append(f"{ns or 'switches'}: {lines[0] if lines else '?'}")
     if errors:
         raise LabError("could not configure link queues (tc): " + "; ".join(errors[:3]))

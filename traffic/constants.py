@@ -80,6 +80,7 @@ DSCP_ROCE_DATA = 26        # RoCE data, ACKs and NAKs travel in this class...
 PRIORITY_ROCE_DATA = 3     # ...mapped to this lossless (PFC-protected) priority
 DSCP_CNP = 48              # congestion notifications jump the data queues...
 PRIORITY_CNP = 6           # ...on their own strict priority
+DSCP_PRIORITY = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}  # else 0
 
 
 class Ecn(IntEnum):

@@ -13,13 +13,11 @@ import collections
 import errno
 import select
 import socket
-import struct
 import time
 from collections.abc import Callable
 
-from traffic.constants import (DSCP_CNP, DSCP_ROCE_DATA, MAC_CONTROL_ETHERTYPE,
-                               MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
-                               PAUSE_QUANTUM_BIT_TIMES, PFC_PRIORITY_COUNT, PRIORITY_CNP,
+from traffic import pause
+from traffic.constants import (DSCP_PRIORITY, MAC_CONTROL_ETHERTYPE, PFC_PRIORITY_COUNT,
                                PRIORITY_ROCE_DATA, ROCE_V2_UDP_PORT)
 from traffic.qp import QueuePair
 from traffic.roce import ETH_P_IP, Malformed, parse
@@ -27,8 +25,6 @@ from traffic.roce import ETH_P_IP, Malformed, parse
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
-PRIORITY_OF_DSCP = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}
-_PFC = struct.Struct("!HH8H")     # opcode, class-enable vector, 8 pause times (quanta)
 # The emulated link is an htb class, which counts frame bytes (no preamble, FCS or
 # inter-frame gap): pacing counts the same, so the NIC fills exactly its link.
 
@@ -134,7 +130,7 @@ class Nic:
         return len(frames)
 
     def deliver(self, frame: bytes, now: float) -> None:
-        if frame[12:14] == MAC_CONTROL_ETHERTYPE.to_bytes(2, "big"):
+        if pause.is_mac_control(frame):
             self.on_pause(frame, now)
             return
         try:
@@ -155,25 +151,19 @@ class Nic:
 
     def on_pause(self, frame: bytes, now: float) -> None:
         """802.1Qbb PFC (per priority) or 802.3x PAUSE (every priority)."""
-        if len(frame) < 14 + _PFC.size:
-            self.malformed += 1
-            return
-        opcode, enable, *times = _PFC.unpack_from(frame, 14)
-        quantum_s = PAUSE_QUANTUM_BIT_TIMES / self.rate_bps
-        if opcode == MAC_CONTROL_OPCODE_PAUSE:   # opcode, then one pause time for the link
-            enable, times = 0xFF, [enable] * PFC_PRIORITY_COUNT
-        elif opcode != MAC_CONTROL_OPCODE_PFC:
+        quanta = pause.parse(frame)
+        if quanta is None:
             self.malformed += 1
             return
         self.pause_frames_received += 1
-        for prio in range(PFC_PRIORITY_COUNT):
-            if enable >> prio & 1:
-                was = max(0.0, self.paused_until[prio] - now)
-                self.paused_until[prio] = now + times[prio] * quantum_s
-                self.paused_s[prio] += max(0.0, self.paused_until[prio] - now) - was
+        quantum_s = pause.quantum_s(self.rate_bps)
+        for prio, q in quanta.items():
+            was = max(0.0, self.paused_until[prio] - now)
+            self.paused_until[prio] = now + q * quantum_s
+            self.paused_s[prio] += max(0.0, self.paused_until[prio] - now) - was
 
     def paused(self, frame: bytes, now: float) -> bool:
-        prio = PRIORITY_OF_DSCP.get(frame[15] >> 2, 0)
+        prio = DSCP_PRIORITY.get(frame[15] >> 2, 0)
         return now < self.paused_until[prio]
 
     def transmit(self, now: float) -> None:

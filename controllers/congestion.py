@@ -1,0 +1,383 @@
+"""CongestionControl: ECN marking and PFC for the fabric's switches (os-ken app).
+
+It watches the switches' real kernel queues (lab/queues.py: per-priority htb
+classes, each behind a tbf gate) through one rtnetlink dump every `sample_ms`,
+and acts like a switch's congestion hardware:
+
+ECN, mode "controller" (for kernels without sch_red). Per egress port and
+sample interval it draws "mark" with RED's probability for the RoCE class's
+backlog q: 0 below Kmin, rising linearly to Pmax at Kmax, 1 above. While a port
+is marking, its egress-table entry (controllers/fabric_router.py) rewrites ECT
+packets to CE. The approximation, against kernel RED: the backlog is sampled
+instantaneously, not averaged; and the coin is tossed once per interval for
+every packet of that interval, not per packet (OpenFlow has no per-packet
+random), so the marked fraction follows p(q) over time, in bursts of
+`sample_ms`. Marks are counted exactly from the flow-removed messages.
+
+PFC. When the lossless class's backlog on a port passes XOFF, the switch sends
+a real 802.1Qbb frame (pause `pause_quanta`, refreshed while congested) out of
+every other port: the upstream neighbours whose traffic can feed that queue.
+Below XON it sends resume (pause time 0). A switch that receives a PFC frame
+(OVS hands MAC Control frames to the controller) closes the gate of that
+priority on the receiving port's egress: its queue holds, other priorities keep
+flowing, and if the queue fills it pauses its own upstream in turn. A GPU host
+honours the frames in its NIC (traffic/nic.py). A watchdog reports a gate
+closed longer than `watchdog_ms` (a pause storm or a deadlock).
+
+The lab drives it through files in the run directory: congestion.json (the
+configuration, reloaded when it changes), congestion-state.json (counters per
+port and priority, the applied configuration version) and
+congestion-events.jsonl (xoff/xon, gates, marking, watchdog; with timestamps).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from os_ken import cfg
+from os_ken.base import app_manager
+from os_ken.controller import ofp_event
+from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
+from os_ken.lib import hub
+from os_ken.ofproto import ether, ofproto_v1_5
+
+from controllers.fabric_router import EGRESS_TABLE, PRIORITY_EGRESS_MARK, logged
+from lab import queues, tcnl
+from topologies.fabric import Fabric
+from traffic import pause
+from traffic.constants import PRIORITY_ROCE_DATA, Ecn
+
+cfg.CONF.register_cli_opts([
+    cfg.StrOpt("congestion-file", help="ECN/PFC configuration (JSON) written by the lab"),
+], group="fabriclab")
+
+MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
+STATE_EVERY_S = 0.1
+IDLE_POLL_S = 0.05
+
+
+@dataclass
+class Config:
+    version: int = 0
+    ecn: str = "off"                 # controller | red | off (red: the kernel marks)
+    kmin_bytes: int = 0
+    kmax_bytes: int = 0
+    pmax: float = 0.0
+    pfc: bool = False
+    xoff_bytes: int = 0
+    xon_bytes: int = 0
+    pause_quanta: int = 0xFFFF
+    sample_ms: float = 2.0
+    watchdog_ms: float = 500.0
+    buffer_kb: int = 64
+    control_buffer_kb: int = 16
+
+    @property
+    def active(self) -> bool:
+        return self.ecn == "controller" or self.pfc
+
+    def mark_probability(self, backlog: int) -> float:
+        """RED's marking curve over the (instantaneous) backlog."""
+        if backlog < self.kmin_bytes:
+            return 0.0
+        if backlog >= self.kmax_bytes:
+            return 1.0
+        return self.pmax * (backlog - self.kmin_bytes) / max(1, self.kmax_bytes - self.kmin_bytes)
+
+
+@dataclass
+class PortCounters:
+    pause_frames_sent: int = 0
+    pause_frames_received: int = 0
+    paused_s: float = 0.0
+    ce_marked_packets: int = 0
+
+
+@dataclass
+class Port:
+    switch: str
+    dpid: int
+    port: int
+    intf: str
+    rate_mbps: float
+    feeders: list[int]
+    ifindex: int | None = None
+
+
+class CongestionControl(app_manager.OSKenApp):
+    OFP_VERSIONS = [ofproto_v1_5.OFP_VERSION]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        conf = cfg.CONF.fabriclab
+        self.fabric = Fabric.load(conf.fabric_file)
+        self.config_file = Path(conf.congestion_file) if conf.congestion_file else None
+        self.config = Config()
+        self.config_mtime = 0
+        self.ports = self._ports()
+        self.datapaths: dict[int, object] = {}
+        self.marking: set[tuple[str, int]] = set()
+        self.xoff_sent: dict[tuple[str, int], float] = {}     # port -> last pause sent
+        self.gates: dict[tuple[str, int, int], dict] = {}     # closed gates
+        self.counters: dict[tuple[str, int, int], PortCounters] = {}
+        self.watchdog: list[dict] = []
+        # os-ken's native hub: OpenFlow events and the sampling loop are threads
+        self.lock = threading.RLock()
+        self.gate_nl = tcnl.Netlink()
+        if self.config_file:
+            self.event_log = open(self.config_file.with_name("congestion-events.jsonl"), "a")
+            self.state_file = self.config_file.with_name("congestion-state.json")
+            self.threads.append(hub.spawn(self.loop))
+
+    def _ports(self) -> dict[tuple[str, int], Port]:
+        dpid = {s.name: s.dpid for s in self.fabric.switches}
+        out = {}
+        for sw, port, intf, rate in queues.switch_ports(self.fabric):
+            feeders = sorted(p for p in self.fabric.switch_ports(sw) if p != port)
+            out[(sw, port)] = Port(sw, dpid[sw], port, intf, rate, feeders)
+        return out
+
+    # --- OpenFlow events ------------------------------------------------------------
+    @set_ev_cls(ofp_event.EventOFPStateChange, [MAIN_DISPATCHER, DEAD_DISPATCHER])
+    @logged
+    def state_change(self, ev):
+        dp = ev.datapath
+        if ev.state == MAIN_DISPATCHER:
+            self.datapaths[dp.id] = dp
+        else:
+            self.datapaths.pop(dp.id, None)
+
+    @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
+    @logged
+    def packet_in(self, ev):
+        msg = ev.msg
+        if not pause.is_mac_control(msg.data):
+            return
+        sw = next((s.name for s in self.fabric.switches if s.dpid == msg.datapath.id), None)
+        port = self.ports.get((sw, msg.match["in_port"]))
+        quanta = pause.parse(msg.data)
+        if port is None or quanta is None:
+            return
+        with self.lock:
+            now = time.time()
+            for prio, q in quanta.items():
+                self.count(port, prio).pause_frames_received += 1
+                if q:
+                    until = now + q * pause.quantum_s(port.rate_mbps * 1e6)
+                    self.close_gate(port, prio, until, now)
+                else:
+                    self.open_gate(port, prio, now)
+
+    @set_ev_cls(ofp_event.EventOFPFlowRemoved, MAIN_DISPATCHER)
+    @logged
+    def flow_removed(self, ev):
+        msg = ev.msg
+        if msg.cookie >> 16 != MARK_COOKIE:
+            return
+        sw = next(s.name for s in self.fabric.switches if s.dpid == msg.datapath.id)
+        port = self.ports[(sw, msg.cookie & 0xFFFF)]
+        with self.lock:
+            self.count(port, PRIORITY_ROCE_DATA).ce_marked_packets += msg.stats["packet_count"]
+
+    # --- the sampling loop ------------------------------------------------------------
+    def loop(self):
+        dump = tcnl.Netlink()
+        last_state = 0.0
+        while True:
+            try:
+                with self.lock:
+                    self.reload()
+                    now = time.time()
+                    if self.config.active:
+                        self.step(dump.qdiscs(), now)
+                    self.expire_gates(now)
+                    if now - last_state >= STATE_EVERY_S:
+                        self.write_state()
+                        last_state = now
+            except Exception:   # keep the switches' congestion handling alive; say why
+                self.logger.exception("congestion loop")
+            hub.sleep(self.config.sample_ms / 1000 if self.config.active else IDLE_POLL_S)
+
+    def step(self, stats: list[tcnl.QdiscStats], now: float) -> None:
+        gate = tcnl.handle(queues.gate_major(PRIORITY_ROCE_DATA))
+        backlog = {q.ifindex: q.backlog_bytes for q in stats if q.handle == gate}
+        c = self.config
+        for port in self.ports.values():
+            if port.ifindex is None:
+                try:
+                    port.ifindex = socket.if_nametoindex(port.intf)
+                except OSError:
+                    continue
+            b = backlog.get(port.ifindex)
+            if b is None:
+                continue
+            if c.ecn == "controller":
+                self.mark(port, random.random() < c.mark_probability(b), b)
+            if c.pfc:
+                self.pfc(port, b, now)
+
+    def pfc(self, port: Port, backlog: int, now: float) -> None:
+        key = (port.switch, port.port)
+        c = self.config
+        last = self.xoff_sent.get(key)
+        refresh_s = c.pause_quanta * pause.quantum_s(port.rate_mbps * 1e6) / 2
+        if last is None and backlog >= c.xoff_bytes:
+            self.send_pfc(port, c.pause_quanta)
+            self.xoff_sent[key] = now
+            self.event("xoff", port, backlog=backlog)
+        elif last is not None and backlog <= c.xon_bytes:
+            self.send_pfc(port, 0)
+            del self.xoff_sent[key]
+            self.event("xon", port, backlog=backlog)
+        elif last is not None and now - last >= refresh_s:
+            self.send_pfc(port, c.pause_quanta)
+            self.xoff_sent[key] = now
+
+    def send_pfc(self, congested: Port, quanta: int) -> None:
+        """A PFC frame for the lossless class out of every port that can feed `congested`."""
+        dp = self.datapaths.get(congested.dpid)
+        if dp is None:
+            return
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        for f in congested.feeders:
+            frame = pause.pfc_frame(port_mac(congested.dpid, f), {PRIORITY_ROCE_DATA: quanta})
+            dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
+                                            match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
+                                            actions=[parser.OFPActionOutput(f)], data=frame))
+            self.count(self.ports[(congested.switch, f)], PRIORITY_ROCE_DATA).pause_frames_sent += 1
+
+    # --- gates: this switch honouring a pause on one of its egress ports --------------
+    def close_gate(self, port: Port, prio: int, until: float, now: float) -> None:
+        key = (port.switch, port.port, prio)
+        if key in self.gates:
+            self.gates[key]["until"] = until
+            return
+        self.set_gate(port, prio, queues.PAUSED_RATE_BYTES_S)
+        self.gates[key] = {"since": now, "until": until, "watchdog": False}
+        self.event("gate_close", port, prio=prio)
+
+    def open_gate(self, port: Port, prio: int, now: float) -> None:
+        g = self.gates.pop((port.switch, port.port, prio), None)
+        if g is None:
+            return
+        self.set_gate(port, prio, queues.gate_rate_bytes_s(port.rate_mbps))
+        self.count(port, prio).paused_s += now - g["since"]
+        self.event("gate_open", port, prio=prio, paused_s=round(now - g["since"], 6))
+
+    def set_gate(self, port: Port, prio: int, rate_bytes_s: int) -> None:
+        if port.ifindex is None:
+            port.ifindex = socket.if_nametoindex(port.intf)
+        limit = (self.config.buffer_kb if prio == PRIORITY_ROCE_DATA
+                 else self.config.control_buffer_kb) * 1024
+        self.gate_nl.set_tbf(port.ifindex, tcnl.handle(1, queues.class_minor(prio)),
+                             tcnl.handle(queues.gate_major(prio)), rate_bytes_s,
+                             queues.GATE_BURST_BYTES, limit)
+
+    def expire_gates(self, now: float) -> None:
+        for (sw, p, prio), g in list(self.gates.items()):
+            port = self.ports[(sw, p)]
+            if now >= g["until"]:
+                self.open_gate(port, prio, now)
+            elif not g["watchdog"] and now - g["since"] > self.config.watchdog_ms / 1000:
+                g["watchdog"] = True
+                report = {"switch": sw, "port": p, "priority": prio,
+                          "paused_for_s": round(now - g["since"], 3)}
+                self.watchdog.append(report)
+                self.logger.warning("PFC watchdog: %s port %d priority %d paused for %.0f ms "
+                                    "(a pause storm or deadlock?)", sw, p, prio,
+                                    (now - g["since"]) * 1e3)
+                self.event("watchdog", port, prio=prio)
+
+    # --- CE marking through the egress table ------------------------------------------
+    def mark(self, port: Port, on: bool, backlog: int) -> None:
+        key = (port.switch, port.port)
+        if on == (key in self.marking):
+            return
+        dp = self.datapaths.get(port.dpid)
+        if dp is None:
+            return
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        cookie = MARK_COOKIE << 16 | port.port
+        for ect in (Ecn.ECT_0, Ecn.ECT_1):
+            match = parser.OFPMatch(reg0=port.port, eth_type=ether.ETH_TYPE_IP, ip_ecn=int(ect))
+            if on:
+                inst = [parser.OFPInstructionActions(ofp.OFPIT_APPLY_ACTIONS, [
+                    parser.OFPActionSetField(ip_ecn=int(Ecn.CE)),
+                    parser.OFPActionOutput(port.port)])]
+                dp.send_msg(parser.OFPFlowMod(dp, table_id=EGRESS_TABLE, cookie=cookie,
+                                              priority=PRIORITY_EGRESS_MARK, match=match,
+                                              flags=ofp.OFPFF_SEND_FLOW_REM, instructions=inst))
+            else:
+                dp.send_msg(parser.OFPFlowMod(dp, table_id=EGRESS_TABLE, cookie=cookie,
+                                              cookie_mask=0xFFFFFFFFFFFFFFFF,
+                                              command=ofp.OFPFC_DELETE_STRICT,
+                                              priority=PRIORITY_EGRESS_MARK, match=match,
+                                              out_port=ofp.OFPP_ANY, out_group=ofp.OFPG_ANY))
+        if on:
+            self.marking.add(key)
+        else:
+            self.marking.discard(key)
+        self.event("mark_on" if on else "mark_off", port, backlog=backlog)
+
+    # --- configuration and reporting -------------------------------------------------
+    def reload(self) -> None:
+        try:
+            mtime = os.stat(self.config_file).st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime == self.config_mtime:
+            return
+        self.config_mtime = mtime
+        new = Config(**json.loads(self.config_file.read_text()))
+        now = time.time()
+        if new.ecn != "controller":
+            for key in list(self.marking):
+                self.mark(self.ports[key], False, 0)
+        if not new.pfc:
+            for key in list(self.xoff_sent):
+                self.send_pfc(self.ports[key], 0)
+                del self.xoff_sent[key]
+            for (sw, p, prio) in list(self.gates):
+                self.open_gate(self.ports[(sw, p)], prio, now)
+        self.config = new
+        self.logger.info("congestion configuration %d: %s", new.version, asdict(new))
+        self.write_state()
+
+    def count(self, port: Port, prio: int) -> PortCounters:
+        return self.counters.setdefault((port.switch, port.port, prio), PortCounters())
+
+    def event(self, kind: str, port: Port, **more) -> None:
+        self.event_log.write(json.dumps({"t": time.time(), "event": kind, "switch": port.switch,
+                                      "port": port.port, **more}) + "\n")
+
+    def write_state(self) -> None:
+        self.event_log.flush()
+        now = time.time()
+        counters = {}
+        for (sw, p, prio), c in self.counters.items():
+            d = asdict(c)
+            g = self.gates.get((sw, p, prio))
+            if g:   # a gate still closed counts its time so far
+                d["paused_s"] += now - g["since"]
+            counters.setdefault(f"{sw}:{p}", {})[str(prio)] = d
+        state = {"version": self.config.version, "t": now, "counters": counters,
+                 "marking": sorted(f"{sw}:{p}" for sw, p in self.marking),
+                 "gates_closed": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.gates),
+                 "xoff": sorted(f"{sw}:{p}" for sw, p in self.xoff_sent),
+                 "watchdog": self.watchdog}
+        tmp = self.state_file.with_name(".congestion-state.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_file)
+
+
+def port_mac(dpid: int, port: int) -> str:
+    """A switch port's MAC, for the frames the switch itself sends (PFC): locally
+    administered, from the switch's dpid and the port number."""
+    return "02:fc:" + ":".join(f"{b:02x}" for b in (dpid & 0xFFFF).to_bytes(2, "big")
+                               + port.to_bytes(2, "big"))

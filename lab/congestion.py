@@ -1,0 +1,132 @@
+"""The lab's side of congestion handling: ECN mode and PFC for a running fabric.
+
+    set_congestion(net, CongestionParams(ecn="auto", pfc=True))
+
+resolves the ECN mode ("auto": kernel RED where this kernel has sch_red, else
+the controller's marking), puts RED on or off the switches' RoCE queues, hands
+the controller its configuration (controllers/congestion.py) and waits until it
+has applied it. `read_state(net)` returns the controller's counters.
+
+Thresholds are in bytes of the emulated queues. The defaults suit the default
+64 KB RoCE buffer: marking from 6 KB to 24 KB (RED's Kmin/Kmax), Pmax 0.2 as in
+HPCC's DCQCN setting; XOFF at 32 KB leaves half the buffer as headroom for what
+is in flight while the pause takes effect, XON at 16 KB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+
+from lab import doctor, queues
+from lab.errors import LabError, UsageError
+
+ECN_MODES = ("auto", "red", "controller", "off")
+
+
+@dataclass
+class CongestionParams:
+    ecn: str = "off"            # auto | red | controller | off
+    kmin_kb: float = 6.0
+    kmax_kb: float = 24.0
+    pmax: float = 0.2
+    pfc: bool = False
+    xoff_kb: float = 32.0
+    xon_kb: float = 16.0
+    pause_quanta: int = 0xFFFF
+    sample_ms: float = 2.0      # how often the controller reads the queues
+    watchdog_ms: float = 500.0  # report a queue paused longer than this
+
+    def validate(self, buffer_kb: int) -> None:
+        if self.ecn not in ECN_MODES:
+            raise UsageError(f"ecn must be one of {', '.join(ECN_MODES)}, got {self.ecn!r}")
+        if not 0 < self.kmin_kb < self.kmax_kb <= buffer_kb:
+            raise UsageError(f"need 0 < kmin_kb < kmax_kb <= buffer_kb ({buffer_kb}); got "
+                             f"kmin_kb={self.kmin_kb}, kmax_kb={self.kmax_kb}")
+        if not 0 < self.pmax <= 1:
+            raise UsageError(f"pmax must be in (0, 1], got {self.pmax}")
+        if self.pfc and not 0 < self.xon_kb < self.xoff_kb < buffer_kb:
+            raise UsageError(f"need 0 < xon_kb < xoff_kb < buffer_kb ({buffer_kb}); got "
+                             f"xon_kb={self.xon_kb}, xoff_kb={self.xoff_kb}")
+        if self.sample_ms <= 0:
+            raise UsageError("sample_ms must be positive")
+
+    def red(self) -> queues.RedParams:
+        return queues.RedParams(self.kmin_kb, self.kmax_kb, self.pmax)
+
+
+def resolve_ecn(mode: str) -> str:
+    """'auto' -> 'red' where the kernel has sch_red, else 'controller'."""
+    if mode != "auto":
+        if mode == "red" and not doctor.qdisc_available("red"):
+            raise LabError("ECN mode 'red' needs the kernel's sch_red, which this kernel lacks; "
+                           "use ecn=controller here, or run in the lab VM (fabriclab vm) or "
+                           "the Vagrant VM")
+        return mode
+    return "red" if doctor.qdisc_available("red") else "controller"
+
+
+def set_red(net, red: queues.RedParams | None) -> None:
+    """Put kernel RED (ECN) under every switch port's RoCE gate, or a plain FIFO back."""
+    q = dataclasses.replace(net.queue_params, red=red)
+    lines = [queues.roce_queue_command(intf, rate, q)
+             for _, _, intf, rate in queues.switch_ports(net.fabric)]
+    r = subprocess.run(["tc", "-batch", "-"], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"could not set the RoCE queues' discipline: {r.stderr.strip()[:200]}")
+    net.queue_params = q
+
+
+def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> str:
+    """Apply ECN and PFC settings to the running fabric; returns the ECN mode in use."""
+    params.validate(net.queue_params.buffer_kb)
+    mode = resolve_ecn(params.ecn)
+    want_red = params.red() if mode == "red" else None
+    if want_red != net.queue_params.red:
+        set_red(net, want_red)
+    version = net.congestion_version = getattr(net, "congestion_version", 0) + 1
+    config = {"version": version, "ecn": mode,
+              "kmin_bytes": int(params.kmin_kb * 1024), "kmax_bytes": int(params.kmax_kb * 1024),
+              "pmax": params.pmax, "pfc": params.pfc,
+              "xoff_bytes": int(params.xoff_kb * 1024), "xon_bytes": int(params.xon_kb * 1024),
+              "pause_quanta": params.pause_quanta, "sample_ms": params.sample_ms,
+              "watchdog_ms": params.watchdog_ms, "buffer_kb": net.queue_params.buffer_kb,
+              "control_buffer_kb": net.queue_params.control_buffer_kb}
+    path = net.controller.congestion_file
+    tmp = path.with_name(".congestion.json.tmp")
+    tmp.write_text(json.dumps(config))
+    tmp.replace(path)
+    deadline = time.monotonic() + timeout_s
+    while read_state(net).get("version") != version:
+        if time.monotonic() > deadline:
+            raise LabError(f"the controller did not apply the congestion settings within "
+                           f"{timeout_s:.0f} s; see {net.controller.log_file}")
+        time.sleep(0.02)
+    return mode
+
+
+def read_state(net) -> dict:
+    """The controller's congestion counters: {"counters": {"switch:port": {prio: {...}}}, ...}."""
+    path = net.controller.congestion_file.with_name("congestion-state.json")
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def events(net, since: float = 0.0) -> list[dict]:
+    path = net.controller.congestion_file.with_name("congestion-events.jsonl")
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n"):
+                    e = json.loads(line)
+                    if e["t"] >= since:
+                        out.append(e)
+    except FileNotFoundError:
+        pass
+    return out

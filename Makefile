@@ -3,7 +3,15 @@
 VENV ?= $(or $(FABRICLAB_VENV),.venv)
 FABRICLAB := $(VENV)/bin/fabriclab
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-kernel bench clean
+
+# The kernel tier (tests/kernel: netem, the OVS kernel datapath) runs natively where
+# this kernel has those features (e.g. the Vagrant VM), else in the lab VM.
+KERNEL_TIER = if $(FABRICLAB) vm kernel-check; then \
+		$(VENV)/bin/python -m pytest -q -m kernel tests/kernel; \
+	else \
+		$(FABRICLAB) vm test; \
+	fi
 
 setup:
 	FABRICLAB_VENV=$(abspath $(VENV)) bash vagrant/provision.sh
@@ -12,8 +20,13 @@ demo: setup
 	$(FABRICLAB) doctor
 	$(FABRICLAB) verify
 
+# the native suite (pytest.ini deselects the kernel tier), then the kernel tier
 test: setup
 	$(VENV)/bin/python -m pytest -q
+	$(KERNEL_TIER)
+
+test-kernel: setup
+	$(KERNEL_TIER)
 
 bench: setup
 	$(VENV)/bin/python bench/scale.py

@@ -244,6 +244,8 @@ def build_parser() -> Parser:
     sm.set_defaults(func=cmd_samples)
     sub.add_parser("ovs-start", help="start Open vSwitch for the lab (used by provisioning)"
                    ).set_defaults(func=cmd_ovs_start)
+    from lab import vm   # the lab VM's subcommands live with it (lab/vm/)
+    vm.add_parser(sub)
     return p
 
 

@@ -1,0 +1,38 @@
+"""The OVS kernel datapath runs a fabric: the bridges are in the kernel's datapath,
+and every host pair is reachable over shortest paths."""
+import subprocess
+
+import pytest
+
+from kernel_lab import host_pids, leaf_spine
+from lab import verify
+from lab.queues import interface_name
+
+pytestmark = pytest.mark.kernel
+
+
+def _out(*args: str) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+
+def test_kernel_datapath_forwards_a_leaf_spine(tmp_path):
+    with leaf_spine(tmp_path, spines=2, leaves=2, hosts_per_leaf=2) as net:
+        assert net.datapath == "kernel", (
+            "OVS runs its userspace datapath: this kernel has no openvswitch module. "
+            "Run the kernel tests in the lab VM: fabriclab vm test")
+        fabric = net.fabric
+        types = {s.name: _out("ovs-vsctl", "get", "bridge", s.name, "datapath_type").strip()
+                 for s in fabric.switches}
+        dpif = _out("ovs-appctl", "dpif/show")
+        kernel_view = _out("ovs-dpctl", "show")    # asks the kernel's datapath itself
+        report = verify.measure(fabric, host_pids(net))
+    # "" is OVS's default type, which is "system", the kernel datapath
+    assert all(t.strip('"') in ("", "system") for t in types.values()), types
+    assert "system@ovs-system" in dpif and "netdev@" not in dpif, dpif
+    switch_ports = [interface_name(node, port) for ln in fabric.links
+                    for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))
+                    if node not in {h.name for h in fabric.hosts}]
+    missing = [p for p in switch_ports if p not in kernel_view]
+    assert not missing, f"ports not in the kernel datapath: {missing}"
+    assert report.reachable == len(report.pairs), report.lines()
+    assert not report.wrong_hops

@@ -131,7 +131,7 @@ def run(img: Image, command: str, opts: VMOptions, out=None, note=None) -> RunRe
             # the guest's console is a tty; the host's output is not (CI logs): no colours
             (ctl / "env").write_text("PY_COLORS=0\nNO_COLOR=1\nTERM=dumb\n")
         note(f"[vm] booting ({accel}: {why}; {opts.cpus} CPUs, {opts.memory_mb} MB; "
-             f"timeout {opts.timeout_s / 60:.0f} min): {command}")
+             f"timeout {opts.timeout_s / 60:g} min): {command}")
         t0 = time.monotonic()
         proc = subprocess.Popen(_qemu(img, accel, ctl, opts, "stdio"), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -143,7 +143,7 @@ def run(img: Image, command: str, opts: VMOptions, out=None, note=None) -> RunRe
         total = time.monotonic() - t0
         if proc.returncode is None:   # the deadline passed
             _stop(proc)
-            raise LabError(f"the VM command did not finish within {opts.timeout_s / 60:.0f} min;"
+            raise LabError(f"the VM command did not finish within {opts.timeout_s / 60:g} min;"
                            f" the VM was stopped (give more time with --timeout MINUTES)")
         return RunResult(_exit_code(ctl), _boot_s(ctl), total, accel)
 

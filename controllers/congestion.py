@@ -60,6 +60,7 @@ cfg.CONF.register_cli_opts([
 MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
 STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
+REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 
 
 @dataclass
@@ -187,6 +188,14 @@ class CongestionControl(app_manager.OSKenApp):
 
     # --- the sampling loop ------------------------------------------------------------
     def loop(self):
+        # A switch's congestion logic is hardware, never late; here it is a thread
+        # competing with every GPU agent for two cores. Real-time priority keeps
+        # its sampling on time (measured: at normal priority a resume storm
+        # delayed it 5-8 ms, long enough for the queue to overflow its headroom).
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+        except (OSError, AttributeError) as e:
+            self.logger.warning("congestion sampling at normal priority (%s)", e)
         dump = tcnl.Netlink()
         last_state = 0.0
         while True:

@@ -11,6 +11,7 @@ topology's parameters, builds the fabric, runs, and writes
     config.json   parameters, topology, rate scale, machine
     fabric.json   the fabric description
     metrics.json  parameters, measurements, claims (written atomically)
+    queues.csv    every switch queue, sampled every few ms (lab/telemetry.py)
     logs/         controller log
 """
 from __future__ import annotations
@@ -30,10 +31,12 @@ from lab import experiments as experiments_pkg
 from lab.errors import UsageError
 from lab.network import FabricNetwork
 from lab.state import RunLock
+from lab.telemetry import QueueTelemetry
 from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
 RESULTS_DIR = Path("results")
+TELEMETRY_INTERVAL_MS = 5.0
 
 
 @dataclass
@@ -51,6 +54,7 @@ class RunContext:
     params: Any
     workdir: Path
     progress: Callable[[str], None]
+    telemetry: QueueTelemetry
 
     @property
     def fabric(self):
@@ -122,6 +126,12 @@ def split_settings(mod, settings: list[str]):
     return params, topo_params
 
 
+def busiest(summary: dict[str, dict], n: int = 8) -> dict[str, dict]:
+    """The queues that held most, over the whole run."""
+    top = sorted(summary.items(), key=lambda kv: -kv[1]["backlog_bytes_p99"])[:n]
+    return dict(top)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write to a temporary file, then rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -159,7 +169,13 @@ def run(name: str, settings: list[str], out: Path | None = None,
             config["datapath"] = net.datapath
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
-            metrics = mod.run(RunContext(net, params, workdir, progress))
+            with QueueTelemetry(net.fabric, workdir / "queues.csv",
+                                TELEMETRY_INTERVAL_MS) as telemetry:
+                metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
+            metrics["telemetry"] = {"csv": "queues.csv", "sampling": telemetry.sampling(),
+                                    "busiest_queues": busiest(telemetry.summary())}
+            if telemetry.error:
+                progress(f"warning: queue telemetry stopped: {telemetry.error}")
         timings = dict(net.timings)
     claims = mod.claims(params, metrics)
     warnings = []

@@ -37,6 +37,9 @@ TRANSPORTS = {"rc": (RcQP, RcParams), "mrc": (MrcQP, MrcParams)}
 REGION_VA = 0x10000000
 
 
+RATE_SAMPLE_S = 0.01
+
+
 def qpn_for(collective_id: int, peer_rank: int) -> int:
     """QP numbers are fresh per collective, so late packets of an earlier one
     land on no QP (counted, dropped) rather than confusing a new one."""
@@ -148,8 +151,19 @@ class Agent:
         algo.start(t0)
         nics = list(self.nics.values())
 
+        # per-QP packets sent, sampled for the lab's per-flow rate telemetry
+        samples = {"t": [], "sent": {f"{qpn:#x}": [] for nic in nics for qpn in nic.qps}}
+        next_sample = 0.0
+
         def done() -> bool:
+            nonlocal next_sample
             now = time.monotonic()
+            if now >= next_sample:
+                next_sample = now + RATE_SAMPLE_S
+                samples["t"].append(round(time.time(), 4))
+                for nic in nics:
+                    for qpn, qp in nic.qps.items():
+                        samples["sent"][f"{qpn:#x}"].append(qp.counters.sent)
             for nic in nics:
                 for qp in nic.qps.values():
                     while qp.events:
@@ -168,7 +182,7 @@ class Agent:
                 if hasattr(qp, "ev_report"):
                     evs[f"{prefix}{qpn:#x}"] = qp.ev_report()
         self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed, cpu_s=cpu_s,
-                  counters=counters, evs=evs,
+                  counters=counters, evs=evs, rate_samples=samples,
                   nic={"malformed": sum(n.malformed for n in nics),
                        "unknown_qp": sum(n.unknown_qp for n in nics),
                        "pause_frames_received": self.nic.pause_frames_received,

@@ -18,6 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+# How long a full marking queue (Kmax) takes to drain on real hardware, the time
+# scale DCQCN's 50-55 us constants act on: 80 us is e.g. 400 KB on a 40 Gb/s port.
+# Calibrated in the lab's incast experiment (8 to 1, 10 Mb/s, Kmax 16 KB): with
+# 40 us the senders cut so deep the queue stood empty half the time (p50 1-2 KB),
+# with 80 and 130 us it held between Kmin and Kmax (p50 4.3 and 3.2 KB).
+REFERENCE_KMAX_DRAIN_S = 80e-6
+
+
+def time_scale_for(kmax_bytes: float, rate_bps: float) -> float:
+    """How much slower an emulated marking queue drains than a real one: stretching
+    DCQCN's constants by it keeps the control loop as fast, relative to the queue,
+    as on real hardware. (The lab's buffers shrink less than its rates, since a
+    frame stays ~1 KB, so this is not simply the rate scale.)"""
+    return (kmax_bytes * 8 / rate_bps) / REFERENCE_KMAX_DRAIN_S
+
+
 @dataclass
 class DcqcnParams:
     g: float = 1 / 256

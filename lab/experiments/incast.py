@@ -1,0 +1,221 @@
+"""Incast: N GPU hosts send to one at full rate, the classic way to jam a port.
+
+The receiver's switch port (the bottleneck) gets N times what it can send.
+Four variants, one after another on the same fabric:
+  none      the queue overflows and drops; RC's go-back-N resends whole windows
+            into the same full queue and goodput collapses (the run stops it
+            after `none_time_limit_s` and reports how much got through)
+  ecn       the switch marks CE (kernel RED, or the controller where the kernel has
+            no sch_red), receivers send CNPs, DCQCN senders slow to a fair share
+  pfc       the switch pauses its upstream (here: the senders) before the queue
+            overflows: no drops, at the price of pause frames
+  ecn+pfc   both: ECN keeps the queue short, PFC catches what slips through
+Everything is read from the kernel's queues (telemetry), the controller's
+counters and the senders' transports.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lab.congestion import CongestionParams, read_state, set_congestion
+from lab.errors import UsageError
+from lab.gpus import GpuAgents
+from lab.runner import Claim, RunContext
+from traffic.constants import PRIORITY_ROCE_DATA
+from traffic.dcqcn import time_scale_for
+
+NAME = "incast"
+DESCRIPTION = "N hosts send to one at full rate: drops, then ECN (DCQCN), PFC, ECN+PFC"
+# 8 senders and a receiver on one leaf; 10 Mb/s links stand for 100 Gb/s
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 9,
+                                    "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
+                                    "rate_scale": 10000}}
+VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
+FAIRNESS_TOLERANCE = 0.20
+STEADY_FROM = 0.5
+SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
+
+
+@dataclass
+class Params:
+    topology: str = "leaf-spine"
+    senders: int = 8
+    flow_kb: int = 400          # per sender: ~3 s at the fair share of a 10 Mb/s port
+    variants: str = ",".join(VARIANTS)
+    ecn: str = "auto"           # the marking mode of the ecn variants: auto | red | controller
+    kmin_kb: float = 2.0
+    kmax_kb: float = 16.0
+    pmax: float = 0.2
+    xoff_kb: float = 14.0
+    xon_kb: float = 7.0
+    sample_ms: float = 1.0
+    dcqcn_time_scale: float = 0.0   # 0: derived from Kmax and the link (traffic/dcqcn.py)
+    # without ECN or PFC, go-back-N under heavy loss collapses: stop after this long
+    none_time_limit_s: float = 8.0
+
+    def validate(self) -> None:
+        bad = set(self.variant_list) - set(VARIANTS)
+        if bad:
+            raise UsageError(f"unknown incast variant(s) {sorted(bad)}; choose from "
+                             f"{', '.join(VARIANTS)}")
+        if self.ecn not in ("auto", "red", "controller"):
+            raise UsageError("ecn must be auto, red or controller (the 'none' variant is 'off')")
+        if self.senders < 2 or self.flow_kb <= 0:
+            raise UsageError("need senders >= 2 and flow_kb > 0")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+    def congestion(self, variant: str) -> CongestionParams:
+        return CongestionParams(ecn=self.ecn if "ecn" in variant else "off",
+                                kmin_kb=self.kmin_kb, kmax_kb=self.kmax_kb, pmax=self.pmax,
+                                pfc="pfc" in variant, xoff_kb=self.xoff_kb,
+                                xon_kb=self.xon_kb, sample_ms=self.sample_ms)
+
+
+def choose_hosts(ctx: RunContext) -> tuple[str, list[str]]:
+    hosts = [h.name for h in ctx.fabric.hosts]
+    if len(hosts) < ctx.params.senders + 1:
+        raise UsageError(f"incast with {ctx.params.senders} senders needs "
+                         f"{ctx.params.senders + 1} hosts; the fabric has {len(hosts)}")
+    return hosts[0], hosts[1:ctx.params.senders + 1]
+
+
+def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, float]:
+    """Packets per second each sender put on the wire within [since, until]."""
+    rates = {}
+    for f in flows:
+        pts = [(t, n) for t, n in zip(f["rate_samples"]["t"], f["rate_samples"]["sent"])
+               if since <= t <= until]
+        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+            rates[f["src"]] = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+    return rates
+
+
+def controller_counts(state: dict, switch: str, port: int) -> dict:
+    """CE marks on the bottleneck port; pause frames the congested switch sent."""
+    per_port = state.get("counters", {})
+    prio = str(PRIORITY_ROCE_DATA)
+    sent = sum(c.get(prio, {}).get("pause_frames_sent", 0)
+               for key, c in per_port.items() if key.split(":")[0] == switch)
+    marks = per_port.get(f"{switch}:{port}", {}).get(prio, {}).get("ce_marked_packets", 0)
+    return {"pause_frames_sent": sent, "ce_marked_packets": marks}
+
+
+def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
+                senders: list[str]) -> dict:
+    p, net = ctx.params, ctx.net
+    recv_if = ctx.fabric.host(receiver).interface()
+    mode = set_congestion(net, p.congestion(variant))
+    before = controller_counts(read_state(net), recv_if.switch, recv_if.port)
+    # DCQCN's constants stretched to this queue (traffic/dcqcn.py); the retransmit
+    # timer well above the time a full buffer takes to drain
+    scale = p.dcqcn_time_scale or time_scale_for(p.kmax_kb * 1024, recv_if.rate_mbps * 1e6)
+    drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (recv_if.rate_mbps * 1e3)
+    rc = {"rate_scale": scale, "rto_ms": max(50.0, 4 * drain_ms)}
+    limited = variant == "none"
+    t0 = time.time()
+    flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
+                           params=rc, allow_timeout=limited,
+                           timeout_s=p.none_time_limit_s if limited else 120)
+    t1 = time.time()
+    time.sleep(SETTLE_S)
+    after = controller_counts(read_state(net), recv_if.switch, recv_if.port)
+    key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
+    q = ctx.telemetry.summary(t0, t1).get(key, {})
+    # the steady part: the second half of the time until the first sender finishes
+    # (the first half holds the start-up transient: the burst, then DCQCN's first cuts)
+    finished = [f["completion_s"] for f in flows if f["completion_s"] is not None]
+    first_done = t0 + min(finished) if finished else t1
+    steady = (t0 + STEADY_FROM * (first_done - t0), first_done)
+    rates = sender_rates(flows, *steady)
+    held = ctx.telemetry.summary(*steady).get(key, {})   # what the queue holds once settled
+    bottleneck_pps = sum(rates.values())
+    fair = bottleneck_pps / len(senders) if rates else 0.0
+    marks = after["ce_marked_packets"] - before["ce_marked_packets"] \
+        if mode == "controller" else q.get("ce_marked_packets_red", 0)
+    return {
+        "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
+        "bottleneck": key,
+        "drops_packets": q.get("drops_packets", 0),
+        "ce_marked_packets": marks,
+        "pause_frames_sent": after["pause_frames_sent"] - before["pause_frames_sent"],
+        "backlog_bytes_p50": held.get("backlog_bytes_p50", 0),
+        "backlog_bytes_p99": held.get("backlog_bytes_p99", 0),
+        "backlog_bytes_max": q.get("backlog_bytes_max", 0),
+        "steady_window_s": [round(steady[0] - t0, 3), round(steady[1] - t0, 3)],
+        "bottleneck_paused_s": q.get("paused_s", 0.0),
+        "cnp_packets": sum(f["counters"]["cnps_received"] for f in flows),
+        "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in flows),
+        "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
+                                            for f in flows),
+        "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
+        "fair_share_pps": round(fair, 1),
+        "max_deviation_from_fair": round(max(abs(r - fair) / fair for r in rates.values()), 3)
+        if fair else None,
+        "flows_completed": len(finished),
+        "delivered_fraction": round(sum(f["receiver_counters"]["bytes_delivered"] for f in flows)
+                                    / (len(flows) * p.flow_kb * 1024), 3),
+        "completion_s_max": round(max(finished), 3) if len(finished) == len(flows) else None,
+        "elapsed_s": round(t1 - t0, 3),
+        "all_intact": all(f["intact"] is not False for f in flows),
+        "rc_params": {k: round(v, 1) for k, v in rc.items()},
+    }
+
+
+def run(ctx: RunContext) -> dict:
+    p = ctx.params
+    receiver, senders = choose_hosts(ctx)
+    out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
+    with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
+        for variant in p.variant_list:
+            ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
+            m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
+            ctx.progress(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
+                         f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
+                         f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"
+                         f"{m['backlog_bytes_p99'] / 1024:.1f} KB, "
+                         f"{m['flows_completed']}/{len(senders)} flows done in "
+                         f"{m['elapsed_s']:.1f} s ({m['delivered_fraction']:.0%} of the bytes)")
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
+    set_congestion(ctx.net, CongestionParams())
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    out = []
+    ran = [v for v in params.variant_list if v in m]
+    out.append(Claim("every message that arrived is intact, every variant",
+                     all(m[v]["all_intact"] for v in ran),
+                     {v: m[v]["all_intact"] for v in ran}, "all True"))
+    if "none" in m:
+        out.append(Claim("none: the bottleneck queue overflows (drops > 0)",
+                         m["none"]["drops_packets"] > 0, m["none"]["drops_packets"], "> 0"))
+    if "pfc" in m:
+        v = m["pfc"]
+        out.append(Claim("pfc: no drops at the bottleneck, pause frames sent",
+                         v["drops_packets"] == 0 and v["pause_frames_sent"] > 0,
+                         {"drops": v["drops_packets"], "pause_frames_sent": v["pause_frames_sent"]},
+                         "drops == 0, pause frames > 0"))
+    if "ecn" in m:
+        v = m["ecn"]
+        kmin, kmax = params.kmin_kb * 1024, params.kmax_kb * 1024
+        out += [
+            Claim("ecn: the switch marks CE and receivers send CNPs",
+                  v["ce_marked_packets"] > 0 and v["cnp_packets"] > 0,
+                  {"ce_marked": v["ce_marked_packets"], "cnps": v["cnp_packets"]}, "both > 0"),
+            Claim(f"ecn: every sender within {FAIRNESS_TOLERANCE:.0%} of the fair share",
+                  v["max_deviation_from_fair"] is not None
+                  and v["max_deviation_from_fair"] <= FAIRNESS_TOLERANCE,
+                  v["max_deviation_from_fair"], f"<= {FAIRNESS_TOLERANCE}"),
+            Claim("ecn: bottleneck backlog p50 between Kmin and Kmax",
+                  kmin <= v["backlog_bytes_p50"] <= kmax, v["backlog_bytes_p50"],
+                  f"[{kmin:.0f}, {kmax:.0f}] bytes"),
+        ]
+    if "ecn+pfc" in m:
+        v = m["ecn+pfc"]
+        out.append(Claim("ecn+pfc: no drops at the bottleneck", v["drops_packets"] == 0,
+                         v["drops_packets"], "== 0"))
+    return out

@@ -41,7 +41,7 @@ SETTLE_S = 0.3          # after a variant: queues drain, counters reach the stat
 class Params:
     topology: str = "leaf-spine"
     senders: int = 8
-    flow_kb: int = 400          # per sender: ~3 s at the fair share of a 10 Mb/s port
+    flow_kb: int = 600          # per sender: ~4 s at the fair share of a 10 Mb/s port
     variants: str = ",".join(VARIANTS)
     ecn: str = "auto"           # the marking mode of the ecn variants: auto | red | controller
     kmin_kb: float = 2.0

@@ -1,0 +1,149 @@
+"""PFC spreading: an innocent flow slowed by pauses meant for someone else.
+
+Three hosts on leaf 0 send to one host R on leaf 1 (incast through the spine);
+a victim on leaf 0 sends to another host V on leaf 1. The victim never crosses
+R's congested port, and the fabric links have room for everyone (they run 4x
+the host links): only R's port is short of bandwidth.
+  pfc  R's port passes XOFF, leaf 1 pauses the spine; the spine's queue toward
+       leaf 1, which the victim shares with the incast, stops: the victim waits
+       behind packets that are going nowhere (head-of-line blocking), and as the
+       spine's own queue fills it pauses leaf 0 in turn: pause spreads hop by hop.
+  ecn  the incast senders slow down (DCQCN); nothing is paused; the victim keeps
+       its rate.
+The victim's sending rate while the incast runs is compared with its rate alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lab.congestion import CongestionParams, read_state, set_congestion
+from lab.errors import UsageError
+from lab.experiments.incast import sender_rates
+from lab.gpus import GpuAgents
+from lab.runner import Claim, RunContext
+from traffic.constants import PRIORITY_ROCE_DATA
+from traffic.dcqcn import time_scale_for
+
+NAME = "pfc-spreading"
+DESCRIPTION = "a victim flow beside an incast: head-of-line blocked under PFC, not under ECN"
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 2, "hosts_per_leaf": 4,
+                                    "host_rate_mbps": 10.0, "fabric_rate_mbps": 40.0,
+                                    "rate_scale": 10000}}
+VARIANTS = ("alone", "pfc", "ecn")
+HOL_LOSS = 0.8          # under PFC the victim keeps less than 80% of its rate alone...
+KEEPS = 0.8             # ...under ECN at least 80% of it
+
+
+@dataclass
+class Params:
+    topology: str = "leaf-spine"
+    incast_kb: int = 400        # per incast sender
+    victim_kb: int = 2000       # long enough to outlast the incast
+    ecn: str = "auto"
+    kmin_kb: float = 2.0
+    kmax_kb: float = 16.0
+    pmax: float = 0.2
+    xoff_kb: float = 14.0
+    xon_kb: float = 7.0
+
+    def validate(self) -> None:
+        if self.topology != "leaf-spine":
+            raise UsageError("pfc-spreading needs topology=leaf-spine (two leaves, one spine)")
+        if self.ecn not in ("auto", "red", "controller"):
+            raise UsageError("ecn must be auto, red or controller")
+
+
+def roles(ctx: RunContext) -> dict:
+    by_leaf: dict[str, list[str]] = {}
+    for h in ctx.fabric.hosts:
+        by_leaf.setdefault(h.interface().switch, []).append(h.name)
+    leaves = sorted(by_leaf)
+    if len(leaves) < 2 or len(by_leaf[leaves[0]]) < 2 or len(by_leaf[leaves[1]]) < 2:
+        raise UsageError("pfc-spreading needs two leaves with at least two hosts each")
+    left, right = by_leaf[leaves[0]], by_leaf[leaves[1]]
+    return {"senders": left[:-1], "victim": left[-1], "receiver": right[0],
+            "victim_dst": right[1]}
+
+
+def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict:
+    p, net = ctx.params, ctx.net
+    cp = CongestionParams(ecn=p.ecn if variant == "ecn" else "off", kmin_kb=p.kmin_kb,
+                          kmax_kb=p.kmax_kb, pmax=p.pmax, pfc=variant == "pfc",
+                          xoff_kb=p.xoff_kb, xon_kb=p.xon_kb, sample_ms=1.0)
+    mode = set_congestion(net, cp)
+    recv_if = ctx.fabric.host(r["receiver"]).interface()
+    rc = {"rate_scale": time_scale_for(p.kmax_kb * 1024, recv_if.rate_mbps * 1e6),
+          "rto_ms": 4 * net.queue_params.buffer_kb * 1024 * 8 / (recv_if.rate_mbps * 1e3)}
+    flows = [(r["victim"], r["victim_dst"], p.victim_kb * 1024)]
+    if variant != "alone":
+        flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]
+    before = read_state(net).get("counters", {})
+    t0 = time.time()
+    res = gpus.transfers(flows, "rc", params=rc, timeout_s=120)
+    time.sleep(0.3)
+    after = read_state(net).get("counters", {})
+    victim, incast = res[0], res[1:]
+    # the victim's rate while the incast runs (alone: over its own middle half)
+    end = t0 + (min(f["completion_s"] for f in incast) if incast else victim["completion_s"])
+    rate = sender_rates([victim], t0 + 0.25 * (end - t0), end).get(r["victim"], 0.0)
+    prio = str(PRIORITY_ROCE_DATA)
+
+    def delta(key: str) -> dict[str, int]:
+        return {port: after[port].get(prio, {}).get(key, 0) - before.get(port, {}).get(prio, {})
+                .get(key, 0) for port in after
+                if after[port].get(prio, {}).get(key, 0) - before.get(port, {}).get(prio, {})
+                .get(key, 0)}
+    pauses_sent = delta("pause_frames_sent")
+    return {"ecn_mode": mode, "pfc": variant == "pfc",
+            "victim_rate_pps": round(rate, 1),
+            "victim_completion_s": round(victim["completion_s"], 3),
+            "incast_completion_s_max": round(max((f["completion_s"] for f in incast),
+                                                 default=0.0), 3),
+            "pause_frames_sent_by_switch": _by_switch(pauses_sent),
+            "pause_frames_received_by_port": delta("pause_frames_received"),
+            "victim_pause_frames_received": victim["sender_nic"]["pause_frames_received"],
+            "all_intact": all(f["intact"] for f in res)}
+
+
+def _by_switch(per_port: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for port, n in per_port.items():
+        sw = port.split(":")[0]
+        out[sw] = out.get(sw, 0) + n
+    return out
+
+
+def run(ctx: RunContext) -> dict:
+    r = roles(ctx)
+    out = {"roles": r}
+    hosts = [*r["senders"], r["victim"], r["receiver"], r["victim_dst"]]
+    with GpuAgents(ctx.net, hosts=hosts) as gpus:
+        for variant in VARIANTS:
+            ctx.progress(f"{variant}: victim {r['victim']} -> {r['victim_dst']}"
+                         + ("" if variant == "alone" else
+                            f" beside {len(r['senders'])} senders -> {r['receiver']}"))
+            m = out[variant] = run_variant(ctx, gpus, variant, r)
+            ctx.progress(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
+                         f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
+    set_congestion(ctx.net, CongestionParams())
+    alone = out["alone"]["victim_rate_pps"] or 1.0
+    out["victim_rate_vs_alone"] = {v: round(out[v]["victim_rate_pps"] / alone, 3)
+                                   for v in ("pfc", "ecn")}
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    ratio = m["victim_rate_vs_alone"]
+    spread = m["pfc"]["pause_frames_sent_by_switch"]
+    return [
+        Claim("every message arrived intact", all(m[v]["all_intact"] for v in VARIANTS),
+              {v: m[v]["all_intact"] for v in VARIANTS}, "all True"),
+        Claim("pfc: pause spreads beyond the congested switch (two switches send pauses)",
+              len(spread) >= 2, spread, ">= 2 switches"),
+        Claim(f"pfc: the victim loses throughput (< {HOL_LOSS:.0%} of its rate alone)",
+              ratio["pfc"] < HOL_LOSS, ratio["pfc"], f"< {HOL_LOSS}"),
+        Claim(f"ecn: the victim keeps its throughput (>= {KEEPS:.0%} of its rate alone)",
+              ratio["ecn"] >= KEEPS, ratio["ecn"], f">= {KEEPS}"),
+    ]

@@ -5,7 +5,7 @@ FABRICLAB := $(VENV)/bin/fabriclab
 
 .PHONY: setup demo test test-kernel bench clean
 
-# The kernel tier (tests/kernel: netem, the OVS kernel datapath) runs natively where
+# The kernel tier (tests/kernel: netem, OVS kernel datapath, Soft-RoCE) runs natively where
 # this kernel has those features (e.g. the Vagrant VM), else in the lab VM.
 KERNEL_TIER = if $(FABRICLAB) vm kernel-check; then \
 		$(VENV)/bin/python -m pytest -q -m kernel tests/kernel; \

@@ -24,6 +24,7 @@ from lab.errors import LabError, UsageError
 KERNEL_FEATURES = {
     "netem": "link delay and loss",
     "ovs-kernel-datapath": "OVS switching in the kernel",
+    "soft-roce": "rdma_rxe with ib_write_bw (perftest) and the rxe verbs provider",
 }
 PYTEST_KERNEL_TIER = "python -m pytest -p no:cacheprovider -m kernel tests/kernel"
 
@@ -138,10 +139,22 @@ def _netem_works() -> bool:
                           capture_output=True).returncode == 0
 
 
+def _soft_roce_ready() -> bool:
+    from pathlib import Path
+    from shutil import which
+    module = Path("/sys/module/rdma_rxe").exists() or (
+        which("modprobe") is not None and Path("/proc/modules").exists()
+        and subprocess.run(["modprobe", "-n", "-q", "rdma_rxe"]).returncode == 0)
+    provider = any(Path(d).glob("librxe*.so") for d in
+                   ("/usr/lib/x86_64-linux-gnu/libibverbs", "/usr/lib64/libibverbs"))
+    return module and provider and which("ib_write_bw") is not None
+
+
 def kernel_missing() -> dict[str, str]:
     """KERNEL_FEATURES this kernel lacks, probed for real."""
     from lab import ovs
-    have = {"netem": _netem_works(), "ovs-kernel-datapath": ovs.kernel_datapath_available()}
+    have = {"netem": _netem_works(), "ovs-kernel-datapath": ovs.kernel_datapath_available(),
+            "soft-roce": _soft_roce_ready()}
     return {name: why for name, why in KERNEL_FEATURES.items() if not have[name]}
 
 

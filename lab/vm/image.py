@@ -37,8 +37,11 @@ VENV_IN_VM = "/opt/fabriclab/venv"      # as in the Vagrantfile: off the shared 
 # Bump when the image layout changes in a way the hashed files below do not show.
 BUILD_FORMAT = 1
 BUILD_CODE = ["lab/vm/image.py", "lab/vm/cpio.py", "vm/initrd-init"]
-# Packages the guest init itself needs on top of minbase; provision.sh adds the lab's.
-BOOT_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates"]
+# On top of minbase and what provision.sh installs: what the guest init needs, and
+# Soft-RoCE's user space (the rxe verbs provider, ibv_devinfo, ib_write_bw), which only
+# the VM's kernel can use, so it is the image's, not provision.sh's.
+IMAGE_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates",
+                  "rdma-core", "ibverbs-providers", "ibverbs-utils", "perftest"]
 # Modules the initramfs loads to reach the disk and the shared tree (deps added).
 INITRD_MODULES = ["virtio_pci", "virtio_blk", "ext4", "9pnet_virtio", "9p"]
 KEEP_IMAGES = 2
@@ -286,7 +289,7 @@ def _debootstrap(root: Path, p: Progress) -> None:
     p.phase(f"debootstrap --variant=minbase {SUITE} from {mirror}")
     debs = CACHE / "debootstrap-debs"   # survives between builds: saves the downloads
     debs.mkdir(parents=True, exist_ok=True)
-    p.run(["debootstrap", "--variant=minbase", f"--include={','.join(BOOT_PACKAGES)}",
+    p.run(["debootstrap", "--variant=minbase", f"--include={','.join(IMAGE_PACKAGES)}",
            f"--cache-dir={debs}", SUITE, str(root), mirror], "debootstrap")
     # the host's bookworm sources (updates, security), so provision.sh gets the same packages
     (root / "etc/apt/sources.list").write_text("".join(

@@ -1,0 +1,173 @@
+"""Soft-RoCE (rdma_rxe) across the emulated fabric: real RoCE v2 from the kernel's
+RDMA stack, and the lab's decoder (traffic/roce.py) reads every frame of it, its
+ICRC agreeing with rxe's on every one.
+
+The Debian 12 kernel's rxe (6.1) works in the initial network namespace only (its
+UDP socket and route lookups are init_net's), so the two GPU hosts' interfaces are
+moved out of their namespaces into the root one for the test, and policy routing
+makes traffic between them leave over the fabric instead of being delivered locally:
+locally sent packets to the peer use a table routing via the host's own gateway;
+packets arriving from the fabric are delivered as usual (accept_local, since their
+source is an address of this namespace too).
+"""
+import re
+import signal
+import subprocess
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from scapy.utils import RawPcapReader
+
+from kernel_lab import leaf_spine
+from traffic import roce
+from traffic.constants import ROCE_V2_UDP_PORT, Opcode
+
+pytestmark = pytest.mark.kernel
+
+MESSAGE_BYTES = 16384
+ITERATIONS = 50
+MTU = 1024
+TABLE_BASE = 4791   # policy-routing tables 4791, 4792 (any unused numbers)
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(args, capture_output=True, text=True)
+    if check and r.returncode:
+        raise AssertionError(f"{' '.join(args)} failed: {r.stderr.strip()}")
+    return r
+
+
+@contextmanager
+def in_root_namespace(net, host: str):
+    """Move the host's interface into the root namespace (its address and MAC kept),
+    and back into the host's namespace afterwards so teardown finds it there."""
+    h = net.fabric.host(host)
+    intf = h.interface()
+    sh("mnexec", "-a", str(net.host_pid(host)), "ip", "link", "set", intf.name, "netns", "1")
+    try:
+        sh("ip", "addr", "add", f"{intf.ip}/{intf.prefix_len}", "dev", intf.name)
+        sh("ip", "link", "set", intf.name, "up")
+        yield intf
+    finally:
+        sh("ip", "link", "set", intf.name, "netns", str(net.host_pid(host)), check=False)
+
+
+@contextmanager
+def over_the_fabric(pairs):
+    """pairs: (interface, its gateway, peer ip). Locally sent packets to the peer go
+    out of the interface to its gateway; the local table is consulted after that."""
+    undo = []
+    try:
+        for i, (intf, gateway, peer) in enumerate(pairs):
+            table = str(TABLE_BASE + i)
+            sh("ip", "route", "add", peer, "via", gateway, "dev", intf.name, "onlink",
+               "table", table)
+            sh("ip", "rule", "add", "pref", "100", "iif", "lo", "to", peer, "lookup", table)
+            undo.append(["ip", "rule", "del", "pref", "100", "iif", "lo", "to", peer])
+            undo.append(["ip", "route", "flush", "table", table])
+            for key, value in (("rp_filter", "0"), ("accept_local", "1")):
+                sh("sysctl", "-qw", f"net.ipv4.conf.{intf.name}.{key}={value}")
+        sh("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0")
+        yield
+    finally:
+        for cmd in reversed(undo):
+            sh(*cmd, check=False)
+
+
+@contextmanager
+def rxe_device(intf) -> str:
+    name = f"rxe_{intf.name.split('-')[0]}"
+    sh("rdma", "link", "add", name, "type", "rxe", "netdev", intf.name)
+    try:
+        yield name
+    finally:
+        sh("rdma", "link", "delete", name, check=False)
+
+
+def roce_v2_gid_index(device: str, ip: str, timeout_s: float = 10) -> int:
+    """The GID table index of the interface's IPv4 address as a RoCE v2 GID."""
+    a, b, c, d = map(int, ip.split("."))
+    want = f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"   # IPv4-mapped
+    port = Path(f"/sys/class/infiniband/{device}/ports/1")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for gid in sorted(port.glob("gids/*")):
+            try:
+                kind = (port / "gid_attrs/types" / gid.name).read_text().strip()
+                if gid.read_text().strip() == want and kind == "RoCE v2":
+                    return int(gid.name)
+            except OSError:
+                continue   # unused entries cannot be read
+        time.sleep(0.2)
+    raise AssertionError(f"{device} has no RoCE v2 GID for {ip}")
+
+
+@contextmanager
+def capture(intf: str, pcap: Path):
+    proc = subprocess.Popen(["tcpdump", "-i", intf, "-U", "-w", str(pcap),
+                             f"udp port {ROCE_V2_UDP_PORT}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:   # tcpdump says when it listens
+            if "listening on" in line:
+                break
+        yield
+    finally:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def ib_write_bw(server_dev, server_gid, client_dev, client_gid, server_ip) -> str:
+    common = ["-s", str(MESSAGE_BYTES), "-n", str(ITERATIONS), "-m", str(MTU), "-F"]
+    server = subprocess.Popen(["ib_write_bw", "-d", server_dev, "-x", str(server_gid), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2)   # the server listens for the client's connection
+        client = subprocess.run(["ib_write_bw", "-d", client_dev, "-x", str(client_gid),
+                                 *common, server_ip], capture_output=True, text=True,
+                                timeout=180)
+        out, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert client.returncode == 0 and server.returncode == 0, client.stdout + client.stderr + out
+    return client.stdout
+
+
+def roce_frames(pcap: Path) -> list[bytes]:
+    return [bytes(frame) for frame, _ in RawPcapReader(str(pcap))]
+
+
+def test_soft_roce_write_across_the_fabric_decodes_with_matching_icrc(tmp_path):
+    sh("modprobe", "rdma_rxe")   # a clear failure where the kernel has no Soft-RoCE
+    pcap = tmp_path / "rxe.pcap"
+    with leaf_spine(tmp_path, spines=2, leaves=2, hosts_per_leaf=1) as net, ExitStack() as s:
+        g0, g1 = net.fabric.host("g0"), net.fabric.host("g1")
+        i0 = s.enter_context(in_root_namespace(net, "g0"))
+        i1 = s.enter_context(in_root_namespace(net, "g1"))
+        s.enter_context(over_the_fabric([(i0, g0.gateway, i1.ip), (i1, g1.gateway, i0.ip)]))
+        d0, d1 = s.enter_context(rxe_device(i0)), s.enter_context(rxe_device(i1))
+        x0, x1 = roce_v2_gid_index(d0, i0.ip), roce_v2_gid_index(d1, i1.ip)
+        with capture(i1.name, pcap):
+            report = ib_write_bw(d1, x1, d0, x0, i1.ip)
+    print(report)
+    frames = roce_frames(pcap)
+    parsed = [roce.parse(f) for f in frames]   # raises roce.Malformed on a bad ICRC
+    assert all(p is not None for p in parsed), "a captured UDP 4791 frame was not RoCE v2"
+    for frame in frames:   # the ICRC recomputed by the lab = the one rxe sent, every frame
+        end = 14 + 20 + int.from_bytes(frame[38:40], "big")
+        sent = int.from_bytes(frame[end - 4:end], "little")
+        assert roce.icrc(frame[14:54], frame[54:end - 4]) == sent
+    opcodes = {p.opcode for p in parsed}
+    data = [p for p in parsed if p.opcode != Opcode.ACKNOWLEDGE]
+    src = {p.src_ip for p in data}
+    print(f"{len(frames)} RoCE v2 frames from rxe; opcodes {sorted(map(hex, opcodes))}")
+    assert Opcode.ACKNOWLEDGE in opcodes and data, opcodes
+    assert src == {g0.ip}   # the writes came from g0 over the fabric, not a local shortcut
+    payload = sum(len(p.payload) for p in data)
+    assert payload >= MESSAGE_BYTES * ITERATIONS, payload
+    assert re.search(r"\b%d\b" % MESSAGE_BYTES, report)

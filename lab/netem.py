@@ -1,10 +1,10 @@
 """Link delay and random loss with netem, on a GPU host's interface.
 
-netem takes the place of the leaf queues under the interface's htb (the FIFOs
-lab/queues.py gives each class), so htb still paces at the link rate and netem
-then holds each packet for the delay, or drops it at the loss rate. Whatever
-classes queues.py makes, every leaf becomes a netem; leaving the context puts
-the FIFOs back.
+netem takes the place of the leaf FIFO queues of the interface (those lab/queues.py
+puts under its htb classes, directly or inside a tbf gate), so the shaping above
+still paces at the link rate and netem then holds each packet for the delay, or
+drops it at the loss rate. Whatever classes queues.py makes, every leaf FIFO
+becomes a netem; leaving the context puts the FIFOs back.
 
     with Netem(host_pid, "g0-eth0", LinkImpairment(delay_ms=20, loss_pct=1)):
         ...
@@ -50,9 +50,9 @@ class LinkImpairment:
 
 @dataclass
 class Leaf:
-    """A leaf queue netem replaced, to put back."""
+    """A leaf FIFO netem takes the place of, and puts back."""
     parent: str
-    handle: str
+    handle: str      # "0:": the default FIFO inside a classful qdisc such as tbf
     kind: str
     limit: int
 
@@ -72,23 +72,32 @@ class Netem:
         return r.stdout
 
     def qdiscs(self) -> list[dict]:
-        return json.loads(self._tc("-s", "-j", "qdisc", "show", "dev", self.intf) or "[]")
+        # invisible: the FIFO a tbf (or similar) holds inside is a leaf too
+        return json.loads(self._tc("-s", "-j", "qdisc", "show", "dev", self.intf, "invisible")
+                          or "[]")
 
     def _leaves(self) -> list[Leaf]:
+        qdiscs = self.qdiscs()
+        has_children = {q["parent"].split(":")[0] + ":" for q in qdiscs if q.get("parent")}
         leaves = [Leaf(q["parent"], q["handle"], q["kind"], q.get("options", {}).get("limit", 0))
-                  for q in self.qdiscs() if q.get("parent") and q["kind"] in FIFOS]
-        if not leaves:
-            raise LabError(f"{self.intf} has no leaf FIFO queue to put netem in place of "
-                           f"(has the fabric's queues been applied?)")
+                  for q in qdiscs if q.get("parent") and q["handle"] not in has_children]
+        odd = [leaf.kind for leaf in leaves if leaf.kind not in FIFOS]
+        if odd or not leaves:
+            raise LabError(f"netem replaces leaf FIFO queues, and {self.intf}'s leaves are "
+                           f"{odd or 'none'} (have the fabric's queues been applied?)")
         return leaves
 
     def _swap(self, leaf: Leaf, spec: list[str]) -> None:
-        """Put `spec` where the leaf is, under the same handle (which statistics key
-        on). tc cannot change a qdisc's kind in place: delete (htb gives the class a
-        default FIFO meanwhile), then add."""
-        self._tc("qdisc", "del", "dev", self.intf, "parent", leaf.parent, "handle", leaf.handle)
-        self._tc("qdisc", "add", "dev", self.intf, "parent", leaf.parent, "handle", leaf.handle,
-                 *spec)
+        """Put `spec` where the leaf is. A FIFO with its own handle keeps it (statistics
+        key on it): tc cannot change a qdisc's kind in place, so delete (htb gives the
+        class a default FIFO meanwhile), then add. A default FIFO inside a tbf is
+        replaced in one step: deleting it would leave the tbf a queue that drops all."""
+        where = ["dev", self.intf, "parent", leaf.parent]
+        if leaf.handle == "0:":
+            self._tc("qdisc", "replace", *where, *spec)
+        else:
+            self._tc("qdisc", "del", *where, "handle", leaf.handle)
+            self._tc("qdisc", "add", *where, "handle", leaf.handle, *spec)
 
     def __enter__(self) -> "Netem":
         for leaf in self._leaves():
@@ -107,5 +116,6 @@ class Netem:
 
     def __exit__(self, *exc) -> None:
         for leaf in self.replaced:
-            self._swap(leaf, [leaf.kind, "limit", str(leaf.limit)])
+            netem = Leaf(leaf.parent, "0:" if leaf.handle == "0:" else leaf.handle, "netem", 0)
+            self._swap(netem, [leaf.kind, "limit", str(leaf.limit)])
         self.replaced = []

@@ -31,13 +31,14 @@ congestion-events.jsonl (xoff/xon, gates, marking, watchdog; with timestamps).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from os_ken import cfg
@@ -48,7 +49,7 @@ from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 
 from controllers.fabric_router import EGRESS_TABLE, PRIORITY_EGRESS_MARK, logged
-from lab import queues, tcnl
+from lab import netns, queues, tcnl
 from topologies.fabric import Fabric
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA, Ecn
@@ -76,8 +77,12 @@ class Config:
     pause_quanta: int = 0xFFFF
     sample_ms: float = 2.0
     watchdog_ms: float = 500.0
-    buffer_kb: int = 64
-    control_buffer_kb: int = 16
+    queue: dict = field(default_factory=dict)        # lab/queues.py QueueParams, as a dict
+    host_pids: dict = field(default_factory=dict)    # GPU host -> a process in its namespace
+
+    @property
+    def queues(self) -> queues.QueueParams:
+        return queues.QueueParams(**self.queue)
 
     @property
     def active(self) -> bool:
@@ -102,13 +107,18 @@ class PortCounters:
 
 @dataclass
 class Port:
-    switch: str
+    """An egress port whose queues the engine reads or gates: a switch's, or a GPU
+    host's NIC (then `netns_pid` names the host's namespace)."""
+    device: str
     dpid: int
     port: int
     intf: str
     rate_mbps: float
     feeders: list[int]
+    peer: tuple[str, int] | None = None
+    netns_pid: int | None = None
     ifindex: int | None = None
+    nl: tcnl.Netlink | None = None
 
 
 class CongestionControl(app_manager.OSKenApp):
@@ -122,12 +132,16 @@ class CongestionControl(app_manager.OSKenApp):
         self.config = Config()
         self.config_mtime = 0
         self.ports = self._ports()
+        self.host_names = {h.name for h in self.fabric.hosts}
         self.datapaths: dict[int, object] = {}
         self.marking: set[tuple[str, int]] = set()
         self.xoff_sent: dict[tuple[str, int], float] = {}     # port -> last pause sent
         self.gates: dict[tuple[str, int, int], dict] = {}     # closed gates
+        self.host_ports: dict[tuple[str, int], Port] = {}
+        self.unacked: list | None = None   # gate changes sent, not yet acknowledged
         self.counters: dict[tuple[str, int, int], PortCounters] = {}
         self.watchdog: list[dict] = []
+        self.gaps: collections.deque[float] = collections.deque(maxlen=20000)   # between samples
         # os-ken's native hub: OpenFlow events and the sampling loop are threads
         self.lock = threading.RLock()
         self.gate_nl = tcnl.Netlink()
@@ -140,9 +154,28 @@ class CongestionControl(app_manager.OSKenApp):
         dpid = {s.name: s.dpid for s in self.fabric.switches}
         out = {}
         for sw, port, intf, rate in queues.switch_ports(self.fabric):
-            feeders = sorted(p for p in self.fabric.switch_ports(sw) if p != port)
-            out[(sw, port)] = Port(sw, dpid[sw], port, intf, rate, feeders)
+            peers = self.fabric.switch_ports(sw)
+            feeders = sorted(p for p in peers if p != port)
+            out[(sw, port)] = Port(sw, dpid[sw], port, intf, rate, feeders, peers[port])
         return out
+
+    def host_port(self, host: str, port: int, rate_mbps: float) -> Port | None:
+        """A GPU host's NIC port, with a netlink socket in its namespace (made once)."""
+        key = (host, port)
+        if key not in self.host_ports:
+            pid = self.config.host_pids.get(host)
+            if pid is None:
+                return None
+            intf = queues.interface_name(host, port)
+            p = Port(host, 0, port, intf, rate_mbps, [], netns_pid=pid)
+            p.nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
+                                                      family=socket.AF_NETLINK))
+            p.ifindex = netns.ifindex_in_netns(pid, intf)
+            self.host_ports[key] = p
+        return self.host_ports[key]
+
+    def port_of(self, device: str, port: int) -> Port:
+        return self.ports.get((device, port)) or self.host_ports[(device, port)]
 
     # --- OpenFlow events ------------------------------------------------------------
     @set_ev_cls(ofp_event.EventOFPStateChange, [MAIN_DISPATCHER, DEAD_DISPATCHER])
@@ -197,14 +230,19 @@ class CongestionControl(app_manager.OSKenApp):
         except (OSError, AttributeError) as e:
             self.logger.warning("congestion sampling at normal priority (%s)", e)
         dump = tcnl.Netlink()
-        last_state = 0.0
+        last_state = last_step = 0.0
         while True:
             try:
                 with self.lock:
                     self.reload()
                     now = time.time()
                     if self.config.active:
+                        if last_step:
+                            self.gaps.append(now - last_step)
+                        last_step = now
                         self.step(dump.qdiscs(), now)
+                    else:
+                        last_step = 0.0
                     self.expire_gates(now)
                     if now - last_state >= STATE_EVERY_S:
                         self.write_state()
@@ -232,7 +270,7 @@ class CongestionControl(app_manager.OSKenApp):
                 self.pfc(port, b, now)
 
     def pfc(self, port: Port, backlog: int, now: float) -> None:
-        key = (port.switch, port.port)
+        key = (port.device, port.port)
         c = self.config
         last = self.xoff_sent.get(key)
         refresh_s = c.pause_quanta * pause.quantum_s(port.rate_mbps * 1e6) / 2
@@ -254,16 +292,38 @@ class CongestionControl(app_manager.OSKenApp):
         if dp is None:
             return
         ofp, parser = dp.ofproto, dp.ofproto_parser
+        now = time.time()
+        self.unacked = []      # the hosts' gates change together, acknowledged after
         for f in congested.feeders:
             frame = pause.pfc_frame(port_mac(congested.dpid, f), {PRIORITY_ROCE_DATA: quanta})
             dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
                                             match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
                                             actions=[parser.OFPActionOutput(f)], data=frame))
-            self.count(self.ports[(congested.switch, f)], PRIORITY_ROCE_DATA).pause_frames_sent += 1
+            out = self.ports[(congested.device, f)]
+            self.count(out, PRIORITY_ROCE_DATA).pause_frames_sent += 1
+            if out.peer[0] in self.host_names:
+                self.host_mac_honours(out, quanta, now)
+        unacked, self.unacked = self.unacked, None
+        for nl, seq in unacked:
+            nl.wait(seq)
+
+    def host_mac_honours(self, out: Port, quanta: int, now: float) -> None:
+        """A GPU host's NIC stops sending the paused priority in its MAC, at once, as
+        hardware does (links have no delay: the frame arrives as it is sent); its
+        transport, slower, also stops scheduling that priority when it reads the
+        frame (traffic/nic.py), and meanwhile its small FIFO pushes back on it."""
+        host = self.host_port(out.peer[0], out.peer[1], out.rate_mbps)
+        if host is None:
+            return
+        if quanta:
+            until = now + quanta * pause.quantum_s(out.rate_mbps * 1e6)
+            self.close_gate(host, PRIORITY_ROCE_DATA, until, now)
+        else:
+            self.open_gate(host, PRIORITY_ROCE_DATA, now)
 
     # --- gates: this switch honouring a pause on one of its egress ports --------------
     def close_gate(self, port: Port, prio: int, until: float, now: float) -> None:
-        key = (port.switch, port.port, prio)
+        key = (port.device, port.port, prio)
         if key in self.gates:
             self.gates[key]["until"] = until
             return
@@ -272,7 +332,7 @@ class CongestionControl(app_manager.OSKenApp):
         self.event("gate_close", port, prio=prio)
 
     def open_gate(self, port: Port, prio: int, now: float) -> None:
-        g = self.gates.pop((port.switch, port.port, prio), None)
+        g = self.gates.pop((port.device, port.port, prio), None)
         if g is None:
             return
         self.set_gate(port, prio, queues.gate_rate_bytes_s(port.rate_mbps))
@@ -282,20 +342,23 @@ class CongestionControl(app_manager.OSKenApp):
     def set_gate(self, port: Port, prio: int, rate_bytes_s: int) -> None:
         if port.ifindex is None:
             port.ifindex = socket.if_nametoindex(port.intf)
-        limit = (self.config.buffer_kb if prio == PRIORITY_ROCE_DATA
-                 else self.config.control_buffer_kb) * 1024
-        self.gate_nl.set_tbf(port.ifindex, tcnl.handle(1, queues.class_minor(prio)),
-                             tcnl.handle(queues.gate_major(prio)), rate_bytes_s,
-                             queues.GATE_BURST_BYTES, limit)
+        q = self.config.queues
+        limit = q.host_buffer_bytes(prio) if port.netns_pid else q.buffer_bytes(prio)
+        nl = port.nl or self.gate_nl
+        seq = nl.set_tbf(port.ifindex, tcnl.handle(1, queues.class_minor(prio)),
+                         tcnl.handle(queues.gate_major(prio)), rate_bytes_s,
+                         queues.GATE_BURST_BYTES, limit, wait=self.unacked is None)
+        if self.unacked is not None:
+            self.unacked.append((nl, seq))
 
     def expire_gates(self, now: float) -> None:
         for (sw, p, prio), g in list(self.gates.items()):
-            port = self.ports[(sw, p)]
+            port = self.port_of(sw, p)
             if now >= g["until"]:
                 self.open_gate(port, prio, now)
             elif not g["watchdog"] and now - g["since"] > self.config.watchdog_ms / 1000:
                 g["watchdog"] = True
-                report = {"switch": sw, "port": p, "priority": prio,
+                report = {"device": sw, "port": p, "priority": prio,
                           "paused_for_s": round(now - g["since"], 3)}
                 self.watchdog.append(report)
                 self.logger.warning("PFC watchdog: %s port %d priority %d paused for %.0f ms "
@@ -305,7 +368,7 @@ class CongestionControl(app_manager.OSKenApp):
 
     # --- CE marking through the egress table ------------------------------------------
     def mark(self, port: Port, on: bool, backlog: int) -> None:
-        key = (port.switch, port.port)
+        key = (port.device, port.port)
         if on == (key in self.marking):
             return
         dp = self.datapaths.get(port.dpid)
@@ -353,16 +416,24 @@ class CongestionControl(app_manager.OSKenApp):
                 self.send_pfc(self.ports[key], 0)
                 del self.xoff_sent[key]
             for (sw, p, prio) in list(self.gates):
-                self.open_gate(self.ports[(sw, p)], prio, now)
+                self.open_gate(self.port_of(sw, p), prio, now)
         self.config = new
         self.logger.info("congestion configuration %d: %s", new.version, asdict(new))
         self.write_state()
 
+    def sampling(self) -> dict:
+        """How punctual the queue sampling was: the gaps between samples."""
+        gaps = sorted(self.gaps)
+        return {"target_ms": self.config.sample_ms, "samples": len(gaps),
+                "gap_ms_p50": round(_quantile(gaps, 0.5) * 1e3, 3),
+                "gap_ms_p99": round(_quantile(gaps, 0.99) * 1e3, 3),
+                "gap_ms_max": round(gaps[-1] * 1e3, 3) if gaps else 0.0}
+
     def count(self, port: Port, prio: int) -> PortCounters:
-        return self.counters.setdefault((port.switch, port.port, prio), PortCounters())
+        return self.counters.setdefault((port.device, port.port, prio), PortCounters())
 
     def event(self, kind: str, port: Port, **more) -> None:
-        self.event_log.write(json.dumps({"t": time.time(), "event": kind, "switch": port.switch,
+        self.event_log.write(json.dumps({"t": time.time(), "event": kind, "device": port.device,
                                       "port": port.port, **more}) + "\n")
 
     def write_state(self) -> None:
@@ -379,10 +450,14 @@ class CongestionControl(app_manager.OSKenApp):
                  "marking": sorted(f"{sw}:{p}" for sw, p in self.marking),
                  "gates_closed": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.gates),
                  "xoff": sorted(f"{sw}:{p}" for sw, p in self.xoff_sent),
-                 "watchdog": self.watchdog}
+                 "watchdog": self.watchdog, "sampling": self.sampling()}
         tmp = self.state_file.with_name(".congestion-state.tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.state_file)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
 def port_mac(dpid: int, port: int) -> str:

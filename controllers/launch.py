@@ -4,10 +4,12 @@ os-ken 4.x ships no manager command; this is the few lines it takes.
     python -m controllers.launch --port 6653 --fabric fabric.json --status status
 """
 import argparse
+import sys
 
 from os_ken import cfg, log
 from os_ken.base.app_manager import AppManager
 
+GIL_SWITCH_INTERVAL_S = 0.0002
 DEFAULT_APPS = ["controllers.fabric_router", "controllers.congestion"]
 
 
@@ -28,6 +30,9 @@ def main(argv=None) -> None:
                    "--fabriclab-congestion-file", args.congestion],
              project="os_ken")
     log.init_log()
+    # The congestion app's sampling thread must not wait for the interpreter lock
+    # behind the OpenFlow threads for Python's default 5 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     AppManager.run_apps(apps)
 
 

@@ -111,7 +111,8 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     from lab import runner
     progress = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress)
+    workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
+                                 capture=args.capture, live=args.live)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0 if result["passed"] else 1
@@ -120,6 +121,26 @@ def cmd_run(args) -> int:
               f"{c['measured']}, expected {c['expected']}")
     print(f"results: {workdir}/metrics.json")
     return 0 if result["passed"] else 1
+
+
+def cmd_top(args) -> int:
+    import time
+
+    from lab.telemetry import QueueTelemetry, render
+    if args.interval <= 0:
+        raise UsageError("--interval must be positive")
+    tel = QueueTelemetry(None, None, interval_ms=min(10.0, args.interval * 1000))
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    previous, shown = {}, 0
+    with tel:
+        while not args.count or shown < args.count:
+            time.sleep(args.interval)
+            hot = tel.hottest(args.n)
+            body = render(hot, previous) if hot else "no lab switch queues (is a fabric up?)"
+            print(f"{clear}fabriclab top  {time.strftime('%H:%M:%S')}  (Ctrl-C to stop)\n"
+                  f"{body}", flush=True)
+            previous, shown = tel.latest(), shown + 1
+    return 0
 
 
 def cmd_clean(args) -> int:
@@ -226,7 +247,17 @@ def build_parser() -> Parser:
                    help="an experiment or topology parameter (repeatable)")
     r.add_argument("--out", type=Path, help="results directory")
     r.add_argument("--json", action="store_true", help="print metrics.json")
+    r.add_argument("--capture", type=lambda v: [x for x in v.split(",") if x], default=[],
+                   metavar="PORTS", help="pcap these switch ports (SWITCH:PORT, interface "
+                   "or GPU host, comma-separated) into captures/")
+    r.add_argument("--live", action="store_true",
+                   help="print the hottest queues every second while it runs")
     r.set_defaults(func=cmd_run)
+    t = sub.add_parser("top", help="the lab's hottest switch queues, live (any running fabric)")
+    t.add_argument("--interval", type=float, default=0.5, metavar="S")
+    t.add_argument("--count", type=int, default=0, help="stop after this many screens")
+    t.add_argument("-n", type=int, default=12, help="queues to show")
+    t.set_defaults(func=cmd_top)
     sub.add_parser("clean", help="remove everything the lab created (and nothing else)"
                    ).set_defaults(func=cmd_clean)
     a = sub.add_parser("allreduce", help="all-reduce values over a small fabric; every host "

@@ -13,19 +13,28 @@ CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def socket_in_netns(pid: int, type_: int, proto: int = 0,
-                    family: int = socket.AF_INET) -> socket.socket:
-    """A socket inside the network namespace of process `pid` (a Mininet host's shell)."""
+def _in_netns(pid: int, fn):
+    """fn() run by this thread inside the network namespace of process `pid`."""
     own = os.open("/proc/self/ns/net", os.O_RDONLY)
     target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     try:
         if _libc.setns(target, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into the namespace of pid {pid}")
         try:
-            return socket.socket(family, type_, proto)
+            return fn()
         finally:
             if _libc.setns(own, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns back to the lab's namespace")
     finally:
         os.close(own)
         os.close(target)
+
+
+def socket_in_netns(pid: int, type_: int, proto: int = 0,
+                    family: int = socket.AF_INET) -> socket.socket:
+    """A socket inside the network namespace of process `pid` (a Mininet host's shell)."""
+    return _in_netns(pid, lambda: socket.socket(family, type_, proto))
+
+
+def ifindex_in_netns(pid: int, intf: str) -> int:
+    return _in_netns(pid, lambda: socket.if_nametoindex(intf))

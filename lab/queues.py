@@ -19,8 +19,10 @@ a pause sets its rate to 1 B/s (lab/tcnl.py: the kernel keeps the queue and
 resets the tokens on a change, so a resume takes effect at once; htb's own
 classes cannot do this: a class charged at a tiny rate owes up to 60 s).
 
-A GPU host's interface keeps one class: its transport paces and honours pause
-frames itself (traffic/nic.py); the queue there only bounds what the kernel holds.
+A GPU host's NIC has the same classes with small FIFOs (`host_buffer_kb`, the
+NIC's transmit FIFOs) and no RED: its transport paces and honours pause frames
+(traffic/nic.py), and the PFC engine closes the NIC's gate as hardware would
+(controllers/congestion.py).
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ from traffic.constants import DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_ROCE_DATA
 
 DEFAULT_PRIORITY = 0
 AVERAGE_PACKET_BYTES = 1000        # RED's avpkt: RoCE frames at the default 1024-byte MTU
-# A paused gate: 1 byte/s, with a burst that still admits one frame (a tbf drops
-# frames larger than its burst at enqueue; paused frames must queue instead).
+# A paused gate: 1 byte/s. Its burst must admit the largest frame of a 1500-byte
+# MTU link (a tbf drops larger frames at enqueue, and paused frames must queue),
+# and no more: a change of rate refills the bucket, so each pause lets one burst
+# through and each resume starts with one.
 PAUSED_RATE_BYTES_S = 1
-GATE_BURST_BYTES = 3000
+GATE_BURST_BYTES = 1600
 
 
 @dataclass
@@ -55,6 +59,10 @@ class QueueParams:
     # The other classes (control traffic, CNPs) are small: together with the RoCE
     # class they stay below OVS's ~100 KB of AF_PACKET send buffer per port.
     control_buffer_kb: int = 16
+    # A GPU host's own queue is its NIC's transmit FIFO: small, so that a PFC pause
+    # stops the host within a few frames (what sits here is past the pause), and a
+    # full FIFO pushes back on the transport (ENOBUFS) instead of hiding a backlog.
+    host_buffer_kb: int = 8
     # DSCP -> priority; anything else -> DEFAULT_PRIORITY
     dscp_priority: dict[int, int] = field(default_factory=lambda: dict(DSCP_PRIORITY))
     red: RedParams | None = None
@@ -66,6 +74,9 @@ class QueueParams:
     def buffer_bytes(self, priority: int) -> int:
         kb = self.buffer_kb if priority == PRIORITY_ROCE_DATA else self.control_buffer_kb
         return kb * 1024
+
+    def host_buffer_bytes(self, priority: int) -> int:
+        return self.host_buffer_kb * 1024
 
 
 # --- names: every reader of a queue (telemetry, the ECN and PFC engine) uses these ---
@@ -100,16 +111,9 @@ def gate_rate_bytes_s(rate_mbps: float) -> int:
 
 
 # --- configuration --------------------------------------------------------------------
-def host_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
-    return [
-        f"qdisc replace dev {intf} root handle 1: htb default 1",
-        f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
-        f"ceil {rate_mbps}mbit",
-        f"qdisc replace dev {intf} parent 1:1 handle 10: bfifo limit {q.buffer_kb * 1024}",
-    ]
-
-
-def switch_port_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
+def port_commands(intf: str, rate_mbps: float, q: QueueParams,
+                         host: bool = False) -> list[str]:
+    """The classes of one egress port; host: a GPU host's NIC (small FIFOs, no RED)."""
     # Guaranteed shares; every class may borrow up to the link, and htb lends
     # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest.
     share = {PRIORITY_CNP: 0.05, PRIORITY_ROCE_DATA: 0.85, DEFAULT_PRIORITY: 0.10}
@@ -121,7 +125,7 @@ def switch_port_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[st
     ]
     for prio in q.priorities:
         minor, gate = class_minor(prio), gate_major(prio)
-        limit = q.buffer_bytes(prio)
+        limit = q.host_buffer_bytes(prio) if host else q.buffer_bytes(prio)
         rate = rate_mbps * share.get(prio, 0.10 / len(q.priorities))
         lines += [
             f"class replace dev {intf} parent 1:1 classid 1:{minor:x} htb rate {rate:.3f}mbit "
@@ -129,7 +133,7 @@ def switch_port_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[st
             f"qdisc replace dev {intf} parent 1:{minor:x} handle {gate:x}: tbf "
             f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {GATE_BURST_BYTES} limit {limit}",
         ]
-        if q.red is not None and prio == PRIORITY_ROCE_DATA:
+        if q.red is not None and prio == PRIORITY_ROCE_DATA and not host:
             lines.append(roce_queue_command(intf, rate_mbps, q))
     for dscp, prio in sorted(q.dscp_priority.items()):
         lines.append(f"filter replace dev {intf} parent 1: protocol ip prio 1 u32 "
@@ -164,10 +168,8 @@ def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
     for ln in fabric.links:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
             intf = interface_name(node, port)
-            if node in hosts:
-                batches.setdefault(node, []).extend(host_commands(intf, ln.rate_mbps, q))
-            else:
-                batches.setdefault(None, []).extend(switch_port_commands(intf, ln.rate_mbps, q))
+            batches.setdefault(node if node in hosts else None, []).extend(
+                port_commands(intf, ln.rate_mbps, q, host=node in hosts))
     return batches
 
 

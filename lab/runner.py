@@ -22,6 +22,7 @@ import json
 import os
 import pkgutil
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +30,48 @@ from typing import Any, Callable
 
 from lab import experiments as experiments_pkg
 from lab.errors import UsageError
+from lab.queues import QueueParams
 from lab.network import FabricNetwork
+from lab.capture import Captures
 from lab.state import RunLock
-from lab.telemetry import QueueTelemetry
+from lab.telemetry import QueueTelemetry, render
+from traffic.samples import WIRESHARK_LUA
 from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
 RESULTS_DIR = Path("results")
 TELEMETRY_INTERVAL_MS = 5.0
+LIVE_EVERY_S = 1.0
+# what is worth seeing in a capture: CNPs, CE-marked packets, pause frames
+CAPTURE_FILTER = "infiniband.bth.opcode == 129 || ip.dsfield.ecn == 3 || macc"
+
+
+class LiveView:
+    """Prints the hottest queues every LIVE_EVERY_S while an experiment runs."""
+
+    def __init__(self, telemetry: QueueTelemetry, progress: Callable[[str], None],
+                 enabled: bool):
+        self.telemetry, self.progress, self.enabled = telemetry, progress, enabled
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def __enter__(self) -> "LiveView":
+        if self.enabled:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.enabled:
+            self.thread.join(timeout=2)
+
+    def loop(self) -> None:
+        previous = {}
+        t0 = time.monotonic()
+        while not self.stop.wait(LIVE_EVERY_S):
+            hot = self.telemetry.hottest(4)
+            self.progress(f"[live {time.monotonic() - t0:5.1f} s]\n" + render(hot, previous))
+            previous = self.telemetry.latest()
 
 
 @dataclass
@@ -91,10 +126,13 @@ def _convert(value: str, ftype, key: str):
         raise UsageError(f"--set {key}: expected {kind.__name__}, got {value!r}") from None
 
 
+QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb")
+
+
 def split_settings(mod, settings: list[str]):
-    """--set key=value strings -> (experiment params, topology params)."""
+    """--set key=value strings -> (experiment params, topology params, queue params)."""
     exp_fields = {f.name: f for f in dataclasses.fields(mod.Params)}
-    exp_values, topo_values = {}, {}
+    exp_values, topo_values, queue_values = {}, {}, {}
     for item in settings:
         if "=" not in item:
             raise UsageError(f"--set takes key=value, got {item!r}")
@@ -102,6 +140,10 @@ def split_settings(mod, settings: list[str]):
         key = key.strip().replace("-", "_")
         if key in exp_fields:
             exp_values[key] = _convert(value, exp_fields[key].type, key)
+        elif key in QUEUE_SETTINGS:
+            queue_values[key] = _convert(value, int, key)
+            if queue_values[key] <= 0:
+                raise UsageError(f"--set {key} must be positive")
         else:
             topo_values[key] = value
     params = mod.Params(**exp_values)
@@ -115,7 +157,8 @@ def split_settings(mod, settings: list[str]):
         if key not in topo_fields:
             raise UsageError(f"unknown --set key {key!r}: experiment {mod.NAME} takes "
                              f"{', '.join(exp_fields)}; topology {params.topology} takes "
-                             f"{', '.join(sorted(topo_fields))}")
+                             f"{', '.join(sorted(topo_fields))}; the queues take "
+                             f"{', '.join(QUEUE_SETTINGS)}")
     # an experiment may suggest a fabric shape; what the user sets wins
     suggested = getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(params.topology, {})
     topo_values = {**suggested, **topo_values}
@@ -123,7 +166,7 @@ def split_settings(mod, settings: list[str]):
         topo_params = make_params(params.topology, **topo_values)
     except ParamError as e:
         raise UsageError(str(e)) from None
-    return params, topo_params
+    return params, topo_params, QueueParams(**queue_values)
 
 
 def busiest(summary: dict[str, dict], n: int = 8) -> dict[str, dict]:
@@ -143,9 +186,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def run(name: str, settings: list[str], out: Path | None = None,
-        progress: Callable[[str], None] = print) -> tuple[Path, dict]:
+        progress: Callable[[str], None] = print, capture: list[str] | None = None,
+        live: bool = False) -> tuple[Path, dict]:
+    """capture: switch ports to record (lab/capture.py); live: print the hottest
+    queues every second while the experiment runs."""
     mod = load(name)
-    params, topo_params = split_settings(mod, settings)
+    params, topo_params, queue_params = split_settings(mod, settings)
     topo = TOPOLOGIES[params.topology](topo_params)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path(out) if out else RESULTS_DIR / f"{name}-{stamp}"
@@ -158,6 +204,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
                        "meaning": f"1 emulated Mb/s stands for {topo_params.rate_scale} "
                                   f"real Mb/s"},
         "fabric": topo.fabric.summary(),
+        "queues": dataclasses.asdict(queue_params),
         "machine": {"host": platform.node(), "kernel": platform.release(),
                     "cpus": os.cpu_count()},
         "started": stamp,
@@ -165,13 +212,20 @@ def run(name: str, settings: list[str], out: Path | None = None,
     write_json_atomic(workdir / "config.json", config)
     t0 = time.monotonic()
     with RunLock(f"fabriclab run {name}"):
-        with FabricNetwork(topo, workdir, progress=progress) as net:
+        with FabricNetwork(topo, workdir, queue_params, progress=progress) as net:
             config["datapath"] = net.datapath
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
+            captures = Captures(net.fabric, capture or [], workdir / "captures")
             with QueueTelemetry(net.fabric, workdir / "queues.csv",
-                                TELEMETRY_INTERVAL_MS) as telemetry:
+                                TELEMETRY_INTERVAL_MS) as telemetry, captures, \
+                    LiveView(telemetry, progress, enabled=live):
                 metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
+            if capture:
+                metrics["captures"] = {
+                    "ports": captures.summary(),
+                    "open_with": f"wireshark -X lua_script:{WIRESHARK_LUA} FILE.pcap",
+                    "display_filter": CAPTURE_FILTER}
             metrics["telemetry"] = {"csv": "queues.csv", "sampling": telemetry.sampling(),
                                     "busiest_queues": busiest(telemetry.summary())}
             if telemetry.error:

@@ -69,8 +69,10 @@ def _attr(kind: int, payload: bytes) -> bytes:
 class Netlink:
     """One rtnetlink socket of the calling thread's network namespace."""
 
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+    def __init__(self, sock: socket.socket | None = None):
+        """sock: an AF_NETLINK NETLINK_ROUTE socket made in another namespace
+        (lab/netns.py); by default one in the caller's."""
+        self.sock = sock or socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((0, 0))
         self.seq = 0
@@ -132,9 +134,11 @@ class Netlink:
         return out
 
     def set_tbf(self, ifindex: int, parent: int, hnd: int, rate_bytes_s: int,
-                burst_bytes: int, limit_bytes: int) -> None:
-        """Change an existing tbf's rate in place (acknowledged). The kernel resets its
-        tokens on a change and keeps its queue: what a PFC gate needs."""
+                burst_bytes: int, limit_bytes: int, wait: bool = True) -> int:
+        """Change an existing tbf's rate in place. The kernel resets its tokens on a
+        change and keeps its queue: what a PFC gate needs. wait=False returns the
+        request's sequence number for `wait()`, so changes in several namespaces
+        proceed together."""
         rate = _RATESPEC.pack(0, TC_LINKLAYER_ETHERNET, 0, -1, 0, rate_bytes_s)
         qopt = _TBF_QOPT.pack(rate, b"\0" * _RATESPEC.size, limit_bytes, 0, 0)
         options = _attr(TCA_TBF_PARMS, qopt) + _attr(TCA_TBF_BURST,
@@ -142,5 +146,11 @@ class Netlink:
         body = (_TCMSG.pack(socket.AF_UNSPEC, ifindex, hnd, parent, 0)
                 + _attr(TCA_KIND, b"tbf\0") + _attr(TCA_OPTIONS, options))
         seq = self._request(RTM_NEWQDISC, NLM_F_REQUEST | NLM_F_ACK, body)
+        if wait:
+            self.wait(seq)
+        return seq
+
+    def wait(self, seq: int) -> None:
+        """Until the kernel acknowledges request `seq` (raises its error)."""
         for _ in self._replies(seq):
             pass

@@ -183,3 +183,17 @@ class QueueTelemetry:
 
     def hottest(self, n: int = 8) -> list[tuple[str, QueueSample]]:
         return sorted(self.latest().items(), key=lambda kv: -kv[1].backlog_bytes)[:n]
+
+
+def render(rows: list[tuple[str, QueueSample]], previous: dict[str, QueueSample] | None = None
+           ) -> str:
+    """A table of queues (the hottest first): backlog, drops, marks, pause; with
+    `previous`, the packets and drops since then."""
+    lines = [f"{'queue (switch:port:prio)':26} {'backlog':>9} {'pkts':>5} {'sent+':>7} "
+             f"{'drops':>7} {'ce(red)':>8} {'paused':>6}"]
+    for key, s in rows:
+        prev = (previous or {}).get(key)
+        sent = s.sent_packets - prev.sent_packets if prev else s.sent_packets
+        lines.append(f"{key:26} {s.backlog_bytes / 1024:8.1f}K {s.backlog_packets:5} "
+                     f"{sent:7} {s.drops:7} {s.ce_marked:8} {'PAUSED' if s.paused else '':>6}")
+    return "\n".join(lines)

@@ -147,6 +147,7 @@ class Agent:
 
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending
+        self.nic.pause_log.clear()   # the pause frames of this collective
         t0, cpu0 = time.monotonic(), time.process_time()
         algo.start(t0)
         nics = list(self.nics.values())
@@ -186,7 +187,7 @@ class Agent:
                   nic={"malformed": sum(n.malformed for n in nics),
                        "unknown_qp": sum(n.unknown_qp for n in nics),
                        "pause_frames_received": self.nic.pause_frames_received,
-                       "paused_s": self.nic.paused_s},
+                       "paused_s": self.nic.paused_s, "pause_log": self.nic.pause_log},
                   **algo.report(op))
         self.pending = None
 

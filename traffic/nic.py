@@ -22,6 +22,7 @@ from traffic.constants import (DSCP_PRIORITY, MAC_CONTROL_ETHERTYPE, PFC_PRIORIT
 from traffic.qp import QueuePair
 from traffic.roce import ETH_P_IP, Malformed, parse
 
+PAUSE_LOG_MAX = 2000              # when pause frames arrived: for reaction-time measurements
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33               # Linux; Python's socket module does not name it
@@ -116,6 +117,7 @@ class Nic:
         self.paused_until = [0.0] * PFC_PRIORITY_COUNT
         self.pause_frames_received = 0
         self.paused_s = [0.0] * PFC_PRIORITY_COUNT
+        self.pause_log: list[tuple[float, int]] = []   # (wall time, quanta) of the first ones
 
     def add(self, qp: QueuePair) -> QueuePair:
         self.qps[qp.qpn] = qp
@@ -156,6 +158,8 @@ class Nic:
             self.malformed += 1
             return
         self.pause_frames_received += 1
+        if len(self.pause_log) < PAUSE_LOG_MAX:
+            self.pause_log.append((time.time(), max(quanta.values(), default=0)))
         quantum_s = pause.quantum_s(self.rate_bps)
         for prio, q in quanta.items():
             was = max(0.0, self.paused_until[prio] - now)

@@ -15,10 +15,11 @@ counters and the senders' transports.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
-from lab.congestion import CongestionParams, read_state, set_congestion
+from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
@@ -44,12 +45,12 @@ class Params:
     flow_kb: int = 600          # per sender: ~4 s at the fair share of a 10 Mb/s port
     variants: str = ",".join(VARIANTS)
     ecn: str = "auto"           # the marking mode of the ecn variants: auto | red | controller
-    kmin_kb: float = 2.0
-    kmax_kb: float = 16.0
-    pmax: float = 0.2
-    xoff_kb: float = 14.0
-    xon_kb: float = 7.0
-    sample_ms: float = 1.0
+    kmin_kb: float = CongestionParams.kmin_kb
+    kmax_kb: float = CongestionParams.kmax_kb
+    pmax: float = CongestionParams.pmax
+    xoff_kb: float = CongestionParams.xoff_kb
+    xon_kb: float = CongestionParams.xon_kb
+    sample_ms: float = CongestionParams.sample_ms
     dcqcn_time_scale: float = 0.0   # 0: derived from Kmax and the link (traffic/dcqcn.py)
     # without ECN or PFC, go-back-N under heavy loss collapses: stop after this long
     none_time_limit_s: float = 8.0
@@ -92,6 +93,24 @@ def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, flo
         if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
             rates[f["src"]] = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
     return rates
+
+
+def pause_delivery_ms(evs: list[dict], flows: list[dict], port) -> dict:
+    """From the switch deciding XOFF (its event) to each sender's NIC taking the pause
+    frame in (its log): the part of the PFC loop that crosses the wire and the host."""
+    xoffs = sorted(e["t"] for e in evs if e["event"] == "xoff" and e["device"] == port.switch
+                   and e["port"] == port.port)
+    delays = []
+    for f in flows:
+        arrivals = sorted(t for t, quanta in f["sender_nic"]["pause_log"] if quanta)
+        for x in xoffs:
+            i = bisect.bisect_left(arrivals, x)
+            if i < len(arrivals) and arrivals[i] - x < 1.0:
+                delays.append(arrivals[i] - x)
+    delays.sort()
+    q = (lambda f: round(delays[min(len(delays) - 1, int(f * len(delays)))] * 1e3, 3))
+    return {"p50": q(0.5), "p99": q(0.99), "max": round(delays[-1] * 1e3, 3),
+            "n": len(delays)} if delays else {}
 
 
 def controller_counts(state: dict, switch: str, port: int) -> dict:
@@ -151,6 +170,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in flows),
         "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
                                             for f in flows),
+        "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),
+        "controller_sampling": read_state(net).get("sampling"),
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
         "fair_share_pps": round(fair, 1),
         "max_deviation_from_fair": round(max(abs(r - fair) / fair for r in rates.values()), 3)

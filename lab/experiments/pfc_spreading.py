@@ -41,11 +41,11 @@ class Params:
     incast_kb: int = 400        # per incast sender
     victim_kb: int = 2000       # long enough to outlast the incast
     ecn: str = "auto"
-    kmin_kb: float = 2.0
-    kmax_kb: float = 16.0
-    pmax: float = 0.2
-    xoff_kb: float = 14.0
-    xon_kb: float = 7.0
+    kmin_kb: float = CongestionParams.kmin_kb
+    kmax_kb: float = CongestionParams.kmax_kb
+    pmax: float = CongestionParams.pmax
+    xoff_kb: float = CongestionParams.xoff_kb
+    xon_kb: float = CongestionParams.xon_kb
 
     def validate(self) -> None:
         if self.topology != "leaf-spine":
@@ -70,7 +70,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     p, net = ctx.params, ctx.net
     cp = CongestionParams(ecn=p.ecn if variant == "ecn" else "off", kmin_kb=p.kmin_kb,
                           kmax_kb=p.kmax_kb, pmax=p.pmax, pfc=variant == "pfc",
-                          xoff_kb=p.xoff_kb, xon_kb=p.xon_kb, sample_ms=1.0)
+                          xoff_kb=p.xoff_kb, xon_kb=p.xon_kb)
     mode = set_congestion(net, cp)
     recv_if = ctx.fabric.host(r["receiver"]).interface()
     rc = {"rate_scale": time_scale_for(p.kmax_kb * 1024, recv_if.rate_mbps * 1e6),

@@ -1,0 +1,79 @@
+"""Packet captures of chosen switch ports during a run, size-capped, one pcap per port.
+
+A port is named as the user sees it: "fl-lf0:2" (switch:port), "fl-lf0-eth2"
+(its interface) or "g0" (the switch port that host hangs on). Captures run on
+the switch side of the link, so they hold what the switch sends there: data,
+CNPs, and its own PFC frames.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from lab import queues, state
+from lab.errors import LabError, UsageError
+from topologies.fabric import Fabric
+
+FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
+START_WAIT_S = 0.3
+
+
+def resolve(fabric: Fabric, spec: str) -> str:
+    """A port spec -> the switch interface to capture on."""
+    ports = {intf for *_, intf, _ in queues.switch_ports(fabric)}
+    if spec in ports:
+        return spec
+    m = re.fullmatch(r"(\S+):(\d+)", spec)
+    if m and queues.interface_name(m[1], int(m[2])) in ports:
+        return queues.interface_name(m[1], int(m[2]))
+    if spec in {h.name for h in fabric.hosts}:
+        i = fabric.host(spec).interface()
+        return queues.interface_name(i.switch, i.port)
+    raise UsageError(f"--capture: no switch port {spec!r}; name one as SWITCH:PORT "
+                     f"(e.g. fl-lf0:2), an interface (fl-lf0-eth2) or a GPU host (g0)")
+
+
+class Captures:
+    """tcpdump per port; stopped (and its pcap flushed) on exit."""
+
+    def __init__(self, fabric: Fabric, specs: list[str], outdir: Path, max_mb: float = 20.0):
+        self.intfs = sorted({resolve(fabric, s) for s in specs})
+        self.outdir = Path(outdir)
+        self.max_packets = max(100, int(max_mb * 1e6 / FRAME_BYTES_BOUND))
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> "Captures":
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        for intf in self.intfs:
+            proc = subprocess.Popen(["tcpdump", "-i", intf, "-w", str(self.path(intf)), "-U",
+                                     "-c", str(self.max_packets)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            state.record_process(proc.pid, f"-w {self.path(intf)}", "capture")
+            self.procs[intf] = proc
+        time.sleep(START_WAIT_S)   # tcpdump attaches before the traffic starts
+        for intf, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise LabError(f"tcpdump on {intf} failed: "
+                               f"{proc.stderr.read().decode().strip()[-200:]}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def path(self, intf: str) -> Path:
+        return self.outdir / f"{intf}.pcap"
+
+    def summary(self) -> dict[str, dict]:
+        return {intf: {"file": str(self.path(intf)), "bytes": self.path(intf).stat().st_size
+                       if self.path(intf).exists() else 0, "packet_cap": self.max_packets}
+                for intf in self.intfs}

@@ -152,7 +152,10 @@ def cached(ins: ImageInputs) -> Image:
 
 
 def _prune(keep: Path) -> None:
-    """Keep the newest KEEP_IMAGES images (this one included): each is ~1 GB of disk."""
+    """Keep the newest KEEP_IMAGES images (this one included): each is ~1 GB of disk.
+    Called holding the build lock, so any *.tmp left is a failed build's."""
+    for d in CACHE.glob("*.tmp"):
+        shutil.rmtree(d, ignore_errors=True)
     images = sorted((d for d in CACHE.iterdir() if (d / "READY").exists() and d != keep),
                     key=lambda d: (d / "READY").stat().st_mtime, reverse=True)
     for d in images[KEEP_IMAGES - 1:]:

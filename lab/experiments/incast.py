@@ -168,6 +168,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "bottleneck_paused_s": q.get("paused_s", 0.0),
         "cnp_packets": sum(f["counters"]["cnps_received"] for f in flows),
         "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in flows),
+        # a receiver NAKs each gap in its sequence: a loss anywhere on the path
+        "receiver_naks": sum(f["receiver_counters"]["naks_sent"] for f in flows),
         "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
                                             for f in flows),
         "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),

@@ -22,6 +22,9 @@ PACKAGES=(
     mininet openvswitch-switch iperf3 libiperf0
     tshark tcpdump ethtool iputils-ping net-tools bridge-utils
     iproute2 nftables procps psmisc
+    # Soft-RoCE's user space (rxe verbs provider, ibv_devinfo, ib_write_bw): real RoCE
+    # peers where the kernel has rdma_rxe (the Vagrant VM, the lab VM)
+    rdma-core ibverbs-providers ibverbs-utils perftest
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

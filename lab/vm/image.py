@@ -37,11 +37,8 @@ VENV_IN_VM = "/opt/fabriclab/venv"      # as in the Vagrantfile: off the shared 
 # Bump when the image layout changes in a way the hashed files below do not show.
 BUILD_FORMAT = 1
 BUILD_CODE = ["lab/vm/image.py", "lab/vm/cpio.py", "vm/initrd-init"]
-# On top of minbase and what provision.sh installs: what the guest init needs, and
-# Soft-RoCE's user space (the rxe verbs provider, ibv_devinfo, ib_write_bw), which only
-# the VM's kernel can use, so it is the image's, not provision.sh's.
-IMAGE_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates",
-                  "rdma-core", "ibverbs-providers", "ibverbs-utils", "perftest"]
+# On top of minbase and what provision.sh installs: what the guest init needs.
+IMAGE_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates"]
 # Modules the initramfs loads to reach the disk and the shared tree (deps added).
 INITRD_MODULES = ["virtio_pci", "virtio_blk", "ext4", "9pnet_virtio", "9p"]
 KEEP_IMAGES = 2

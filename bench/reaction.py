@@ -1,0 +1,141 @@
+"""How fast the fabric reacts to a queue crossing a threshold.
+
+An 8-to-1 incast on one leaf (10 Mb/s links), twice:
+  ECN (controller marking, Kmin = Kmax = K, so marking is all or nothing at K):
+      from the queue crossing K (telemetry, 1 ms samples) to the first CE-marked
+      packet leaving the port (a capture of the port: marking really active),
+  PFC (XOFF = K):
+      from the queue crossing K to the senders' NIC gates closing (pause enforced
+      in the host MACs, the controller's log) and to each sender's transport reading
+      the frame (the agents' log).
+Medians and p99 in ms and in packet times at the link rate. Goal: median < 2 ms.
+
+    sudo .venv/bin/python bench/reaction.py
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lab.capture import Captures                                    # noqa: E402
+from lab.congestion import CongestionParams, events, set_congestion  # noqa: E402
+from lab.gpus import GpuAgents                                      # noqa: E402
+from lab.network import FabricNetwork                               # noqa: E402
+from lab.state import RunLock                                       # noqa: E402
+from lab.telemetry import QueueTelemetry                            # noqa: E402
+from topologies.registry import build_topo                          # noqa: E402
+from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402
+
+RATE_MBPS = 10.0
+THRESHOLD_KB = 8.0
+FLOW_KB = 300
+FRAME_BYTES = 1082          # an RDMA WRITE MIDDLE at the 1024-byte MTU, on the wire
+GOAL_MS = 2.0
+
+
+def crossings(samples, threshold: int) -> list[float]:
+    """Times the queue went from below the threshold to at or above it."""
+    out, below = [], True
+    for s in samples:
+        if below and s.backlog_bytes >= threshold:
+            out.append(s.t)
+        below = s.backlog_bytes < threshold
+    return out
+
+
+def latencies(cross: list[float], reactions: list[float], slack_s: float) -> list[float]:
+    """For each crossing, the first reaction after it (the controller samples as often as
+    the telemetry, so it may see a crossing up to one sample before the telemetry does:
+    a reaction within `slack_s` before counts as 0)."""
+    reactions = sorted(reactions)
+    out = []
+    for t in cross:
+        i = bisect.bisect_left(reactions, t - slack_s)
+        if i < len(reactions) and reactions[i] - t < 0.5:
+            out.append(max(0.0, reactions[i] - t))
+    return out
+
+
+def ce_times(pcap: Path) -> list[float]:
+    r = subprocess.run(["tshark", "-r", str(pcap), "-Y", "ip.dsfield.ecn == 3", "-T", "fields",
+                        "-e", "frame.time_epoch"], capture_output=True, text=True, check=True)
+    return [float(x) for x in r.stdout.split()]
+
+
+def summary(name: str, lat_s: list[float]) -> str:
+    if not lat_s:
+        return f"{name}: no episodes"
+    ms = sorted(x * 1e3 for x in lat_s)
+    p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+    pkt_ms = FRAME_BYTES * 8 / (RATE_MBPS * 1e3)
+    med = statistics.median(ms)
+    return (f"{name}: n={len(ms)} median {med:.2f} ms ({med / pkt_ms:.1f} packet times), "
+            f"p99 {p99:.2f} ms ({p99 / pkt_ms:.1f}); median / goal {med / GOAL_MS:.2f}")
+
+
+def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
+    k = int(THRESHOLD_KB * 1024)
+    if mode == "ecn":
+        cp = CongestionParams(ecn="controller", kmin_kb=THRESHOLD_KB - 0.001,
+                              kmax_kb=THRESHOLD_KB, pmax=1.0)
+    else:
+        cp = CongestionParams(pfc=True, xoff_kb=THRESHOLD_KB, xon_kb=THRESHOLD_KB / 2)
+    set_congestion(net, cp)
+    recv = net.fabric.host("g0").interface()
+    port = f"{recv.switch}:{recv.port}:{PRIORITY_ROCE_DATA}"
+    caps = Captures(net.fabric, ["g0"], tmp / mode, max_mb=50)
+    with QueueTelemetry(net.fabric, None, interval_ms=1.0) as tel, caps:
+        tel_start = time.time()
+        flows = gpus.incast("g0", FLOW_KB * 1024, "rc")
+    cross = crossings(tel.series.get(port, []), k)
+    slack = tel.sampling()["interval_ms_p50"] / 1e3
+    evs = events(net, tel_start)
+    lines = [f"{mode}: {len(cross)} threshold crossings at {THRESHOLD_KB:.0f} KB; telemetry "
+             f"every {tel.sampling()['interval_ms_p50']:.2f} ms (p50)"]
+    if mode == "ecn":
+        pcap = next(iter(caps.summary().values()))["file"]
+        lines.append(summary("  crossing -> first CE-marked packet on the wire",
+                             latencies(cross, ce_times(Path(pcap)), slack)))
+        lines.append(summary("  crossing -> marking rule sent (controller)",
+                             latencies(cross, [e["t"] for e in evs if e["event"] == "mark_on"],
+                                       slack)))
+    else:
+        hosts = {h.name for h in net.fabric.hosts}
+        gate = [e["t"] for e in evs if e["event"] == "gate_close" and e["device"] in hosts]
+        lines.append(summary("  crossing -> pause enforced (senders' NIC gates closed)",
+                             latencies(cross, gate, slack)))
+        per_sender = []
+        for f in flows:
+            arrivals = [t for t, q in f["sender_nic"]["pause_log"] if q]
+            per_sender += latencies(cross, arrivals, slack)
+        lines.append(summary("  crossing -> each sender's transport reads the frame",
+                             per_sender))
+    return lines
+
+
+def main() -> None:
+    topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=9,
+                      host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS, rate_scale=10000)
+    with RunLock("bench/reaction.py"), tempfile.TemporaryDirectory(prefix="fl-bench-") as d:
+        tmp = Path(d)
+        with FabricNetwork(topo, tmp / "run") as net, GpuAgents(net) as gpus:
+            out = []
+            for mode in ("ecn", "pfc"):
+                out += run_mode(net, gpus, mode, tmp)
+            state = json.loads((tmp / "run" / "congestion-state.json").read_text())
+    sampling = state["sampling"]
+    print("\n".join(out))
+    print(f"controller sampling: every {sampling['gap_ms_p50']} ms (p50), p99 "
+          f"{sampling['gap_ms_p99']} ms, max {sampling['gap_ms_max']} ms")
+
+
+if __name__ == "__main__":
+    main()

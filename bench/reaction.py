@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lab.capture import Captures                                    # noqa: E402
 from lab.congestion import CongestionParams, events, set_congestion  # noqa: E402
+from lab.experiments.incast import rc_params                         # noqa: E402
 from lab.gpus import GpuAgents                                      # noqa: E402
 from lab.network import FabricNetwork                               # noqa: E402
 from lab.state import RunLock                                       # noqa: E402
@@ -94,7 +95,8 @@ def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
     caps = Captures(net.fabric, ["g0"], tmp / mode, max_mb=50)
     with QueueTelemetry(net.fabric, None, interval_ms=1.0) as tel, caps:
         tel_start = time.time()
-        flows = gpus.incast("g0", FLOW_KB * 1024, "rc")
+        flows = gpus.incast("g0", FLOW_KB * 1024, "rc",
+                            params=rc_params(net, RATE_MBPS, THRESHOLD_KB))
     cross = crossings(tel.series.get(port, []), k)
     slack = tel.sampling()["interval_ms_p50"] / 1e3
     evs = events(net, tel_start)

@@ -76,6 +76,15 @@ class Params:
                                 xon_kb=self.xon_kb, sample_ms=self.sample_ms)
 
 
+def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0) -> dict:
+    """RC for a congested port of this rate: DCQCN's constants stretched to the marking
+    queue (traffic/dcqcn.py), the retransmit timer well above the time a full buffer
+    takes to drain (or every pause would look like a loss)."""
+    drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (rate_mbps * 1e3)
+    return {"rate_scale": time_scale or time_scale_for(kmax_kb * 1024, rate_mbps * 1e6),
+            "rto_ms": max(50.0, 4 * drain_ms)}
+
+
 def choose_hosts(ctx: RunContext) -> tuple[str, list[str]]:
     hosts = [h.name for h in ctx.fabric.hosts]
     if len(hosts) < ctx.params.senders + 1:
@@ -129,11 +138,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     recv_if = ctx.fabric.host(receiver).interface()
     mode = set_congestion(net, p.congestion(variant))
     before = controller_counts(read_state(net), recv_if.switch, recv_if.port)
-    # DCQCN's constants stretched to this queue (traffic/dcqcn.py); the retransmit
-    # timer well above the time a full buffer takes to drain
-    scale = p.dcqcn_time_scale or time_scale_for(p.kmax_kb * 1024, recv_if.rate_mbps * 1e6)
-    drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (recv_if.rate_mbps * 1e3)
-    rc = {"rate_scale": scale, "rto_ms": max(50.0, 4 * drain_ms)}
+    rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, p.dcqcn_time_scale)
+    scale = rc["rate_scale"]
     limited = variant == "none"
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",

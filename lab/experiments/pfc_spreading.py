@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import UsageError
-from lab.experiments.incast import sender_rates
+from lab.experiments.incast import rc_params, sender_rates
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
 from traffic.constants import PRIORITY_ROCE_DATA
-from traffic.dcqcn import time_scale_for
 
 NAME = "pfc-spreading"
 DESCRIPTION = "a victim flow beside an incast: head-of-line blocked under PFC, not under ECN"
@@ -73,8 +72,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
                           xoff_kb=p.xoff_kb, xon_kb=p.xon_kb)
     mode = set_congestion(net, cp)
     recv_if = ctx.fabric.host(r["receiver"]).interface()
-    rc = {"rate_scale": time_scale_for(p.kmax_kb * 1024, recv_if.rate_mbps * 1e6),
-          "rto_ms": 4 * net.queue_params.buffer_kb * 1024 * 8 / (recv_if.rate_mbps * 1e3)}
+    rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb)
     flows = [(r["victim"], r["victim_dst"], p.victim_kb * 1024)]
     if variant != "alone":
         flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]

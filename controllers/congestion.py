@@ -225,10 +225,13 @@ class CongestionControl(app_manager.OSKenApp):
         # competing with every GPU agent for two cores. Real-time priority keeps
         # its sampling on time (measured: at normal priority a resume storm
         # delayed it 5-8 ms, long enough for the queue to overflow its headroom).
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
-        except (OSError, AttributeError) as e:
-            self.logger.warning("congestion sampling at normal priority (%s)", e)
+        # (On Ryu's eventlet hub every green thread shares one OS thread: raising it
+        # would raise the whole controller, so it keeps normal priority there.)
+        if getattr(hub, "HUB_TYPE", "eventlet") == "native":
+            try:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+            except OSError as e:
+                self.logger.warning("congestion sampling at normal priority (%s)", e)
         dump = tcnl.Netlink()
         last_state = last_step = 0.0
         while True:

@@ -53,6 +53,12 @@ def topology_from_args(args):
     return TOPOLOGIES[args.topology](params)
 
 
+def add_runtime_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controller-runtime", choices=["os-ken", "ryu"], default="os-ken",
+                   help="run the controller apps on os-ken (default) or on Ryu 4.34 "
+                        "(installed on first use)")
+
+
 # --- commands --------------------------------------------------------------------------
 def cmd_doctor(args) -> int:
     from lab import doctor
@@ -67,7 +73,8 @@ def cmd_verify(args) -> int:
     from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab verify"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
-        with FabricNetwork(topo, Path(tmp), verbose=args.verbose) as net:
+        with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
+                           controller_runtime=args.controller_runtime) as net:
             print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
             pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
             report = verify.measure(net.fabric, pids)
@@ -91,7 +98,8 @@ def cmd_up(args) -> int:
     from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
-        with FabricNetwork(topo, Path(tmp), verbose=args.verbose) as net:
+        with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
+                           controller_runtime=args.controller_runtime) as net:
             hosts = [h.name for h in net.fabric.hosts]
             print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; "
                   f"try: {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}   (exit: Ctrl-D)")
@@ -112,7 +120,8 @@ def cmd_run(args) -> int:
     from lab import runner
     progress = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
-                                 capture=args.capture, live=args.live)
+                                 capture=args.capture, live=args.live,
+                                 controller_runtime=args.controller_runtime)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0 if result["passed"] else 1
@@ -239,6 +248,7 @@ def build_parser() -> Parser:
         s = sub.add_parser(name, help=text)
         add_topology_args(s)
         s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")
+        add_runtime_arg(s)
         s.set_defaults(func=func)
     sub.add_parser("list", help="the experiments").set_defaults(func=cmd_list)
     r = sub.add_parser("run", help="run an experiment; results in results/NAME-TIME/")
@@ -252,6 +262,7 @@ def build_parser() -> Parser:
                    "or GPU host, comma-separated) into captures/")
     r.add_argument("--live", action="store_true",
                    help="print the hottest queues every second while it runs")
+    add_runtime_arg(r)
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("top", help="the lab's hottest switch queues, live (any running fabric)")
     t.add_argument("--interval", type=float, default=0.5, metavar="S")

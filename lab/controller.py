@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from lab import state
+from lab import ryu, state
 from lab.errors import LabError
 from topologies.fabric import Fabric
 
@@ -22,10 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Controller:
-    """os-ken running controllers.fabric_router for one fabric."""
+RUNTIMES = ("os-ken", "ryu")
 
-    def __init__(self, fabric: Fabric, workdir: Path):
+
+class Controller:
+    """The controller apps (controllers/) for one fabric, on os-ken or on Ryu."""
+
+    def __init__(self, fabric: Fabric, workdir: Path, runtime: str = "os-ken"):
+        if runtime not in RUNTIMES:
+            raise LabError(f"unknown controller runtime {runtime!r}; choose one of "
+                           f"{', '.join(RUNTIMES)}")
+        self.runtime = runtime
         self.fabric = fabric
         self.workdir = Path(workdir)
         self.port = free_port()
@@ -42,14 +49,16 @@ class Controller:
         for name in ("congestion.json", "congestion-state.json", "congestion-events.jsonl"):
             (self.workdir / name).unlink(missing_ok=True)   # a fresh run's files only
         marker = f"--status {self.status_file}"
-        cmd = [sys.executable, "-m", "controllers.launch", "--port", str(self.port),
+        interpreter = sys.executable if self.runtime == "os-ken" else str(ryu.ensure())
+        cmd = [interpreter, "-m", "controllers.launch", "--port", str(self.port),
                "--fabric", str(self.fabric_file), "--status", str(self.status_file),
-               "--congestion", str(self.congestion_file)]
+               "--congestion", str(self.congestion_file), "--runtime", self.runtime]
         with open(self.log_file, "w") as log:
             # Its own session: a Ctrl-C in the terminal reaches the lab, which
             # then stops the controller in order, after the switches.
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         state.record_process(self.proc.pid, marker, "controller")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

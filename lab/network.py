@@ -39,13 +39,14 @@ def _raise_terminated(signum, frame):
 
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
-                 progress=print, verbose: bool = False):
+                 progress=print, verbose: bool = False, controller_runtime: str = "os-ken"):
         self.topo = topo
         self.fabric = topo.fabric
         self.workdir = Path(workdir)
         self.queue_params = queue_params or queues.QueueParams()
         self.progress = progress
         self.verbose = verbose
+        self.controller_runtime = controller_runtime
         self.mininet: Mininet | None = None
         self.controller: Controller | None = None
         self.datapath: str | None = None
@@ -74,9 +75,10 @@ class FabricNetwork:
         self.datapath = ovs.ensure_running()
         setLogLevel("info" if self.verbose else "warning")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.controller = Controller(self.fabric, self.workdir)
+        self.controller = Controller(self.fabric, self.workdir, self.controller_runtime)
         self.controller.start()
-        self.progress(f"building {self.fabric.summary()} (OVS {self.datapath} datapath)")
+        self.progress(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
+                      f"{self.controller_runtime} controller)")
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
                          protocols="OpenFlow15", failMode="secure")
         controller = partial(RemoteController, ip="127.0.0.1", port=self.controller.port)

@@ -187,7 +187,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def run(name: str, settings: list[str], out: Path | None = None,
         progress: Callable[[str], None] = print, capture: list[str] | None = None,
-        live: bool = False) -> tuple[Path, dict]:
+        live: bool = False, controller_runtime: str = "os-ken") -> tuple[Path, dict]:
     """capture: switch ports to record (lab/capture.py); live: print the hottest
     queues every second while the experiment runs."""
     mod = load(name)
@@ -205,6 +205,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
                                   f"real Mb/s"},
         "fabric": topo.fabric.summary(),
         "queues": dataclasses.asdict(queue_params),
+        "controller_runtime": controller_runtime,
         "machine": {"host": platform.node(), "kernel": platform.release(),
                     "cpus": os.cpu_count()},
         "started": stamp,
@@ -212,7 +213,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
     write_json_atomic(workdir / "config.json", config)
     t0 = time.monotonic()
     with RunLock(f"fabriclab run {name}"):
-        with FabricNetwork(topo, workdir, queue_params, progress=progress) as net:
+        with FabricNetwork(topo, workdir, queue_params, progress=progress,
+                           controller_runtime=controller_runtime) as net:
             config["datapath"] = net.datapath
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")

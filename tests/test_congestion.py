@@ -201,3 +201,20 @@ def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):
     # 2-core runner may take some of it), and far more than under PFC
     ratio = m["metrics"]["victim_rate_vs_alone"]
     assert ratio["ecn"] > 0.6 and ratio["ecn"] > 5 * ratio["pfc"], r.stdout
+
+
+def test_the_same_apps_run_on_ryu(tmp_path):
+    """--controller-runtime ryu: Ryu 4.34 installed on demand routes the fabric and runs
+    the congestion app unchanged (os-ken runs every other test)."""
+    v = fabriclab("verify", "--controller-runtime", "ryu", timeout=600)
+    assert v.returncode == 0 and "ryu controller" in v.stdout and "reachable: 12/12" in v.stdout, \
+        v.stdout + v.stderr
+    out = tmp_path / "incast-ryu"
+    r = fabriclab("run", "incast", "--controller-runtime", "ryu", "--set", "variants=ecn,pfc",
+                  "--set", "senders=4", "--set", "hosts_per_leaf=5", "--set", "flow_kb=100",
+                  "--out", str(out), timeout=400)
+    m = json.loads((out / "metrics.json").read_text())
+    assert json.loads((out / "config.json").read_text())["controller_runtime"] == "ryu"
+    ecn, pfc = m["metrics"]["ecn"], m["metrics"]["pfc"]
+    assert ecn["ce_marked_packets"] > 0 and ecn["cnp_packets"] > 0, r.stdout
+    assert pfc["pause_frames_sent"] > 0 and pfc["sender_pause_frames_received"] > 0, r.stdout

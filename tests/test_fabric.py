@@ -87,12 +87,16 @@ def test_reachability_experiment_writes_results(tmp_path):
 def test_link_rates_are_real_kernel_queues(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=50)
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
-        switch_side = subprocess.run(["tc", "class", "show", "dev", "fl-lf0-eth2"],
-                                     capture_output=True, text=True, check=True).stdout
+        switch_side = subprocess.run("tc class show dev fl-lf0-eth2; tc qdisc show dev fl-lf0-eth2",
+                                     shell=True, capture_output=True, text=True,
+                                     check=True).stdout
         host_side = net.mininet["g0"].cmd("tc class show dev g0-eth0; tc qdisc show dev g0-eth0")
     for out in (switch_side, host_side):
-        assert "rate 50Mbit ceil 50Mbit" in out, out
-    assert "bfifo" in host_side and "limit 64Kb" in host_side, host_side
+        assert "class htb 1:1 root rate 50Mbit ceil 50Mbit" in out, out
+        # a class per priority, each behind its gate at the link rate (lab/queues.py)
+        for prio in (0, 3, 6):
+            assert f"class htb 1:1{prio} parent 1:1" in out and \
+                f"qdisc tbf 1{prio}: parent 1:1{prio} rate 50Mbit" in out, out
 
 
 def test_up_opens_the_mininet_cli():

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lab.capture import Captures                                    # noqa: E402
 from lab.congestion import CongestionParams, events, set_congestion  # noqa: E402
-from lab.experiments.incast import rc_params                         # noqa: E402
+from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E402
 from lab.gpus import GpuAgents                                      # noqa: E402
 from lab.network import FabricNetwork                               # noqa: E402
 from lab.state import RunLock                                       # noqa: E402
@@ -38,7 +38,6 @@ from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402
 RATE_MBPS = 10.0
 THRESHOLD_KB = 8.0
 FLOW_KB = 300
-FRAME_BYTES = 1082          # an RDMA WRITE MIDDLE at the 1024-byte MTU, on the wire
 GOAL_MS = 2.0
 
 

@@ -61,7 +61,9 @@ cfg.CONF.register_cli_opts([
 MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
 STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
-REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
+LOCAL_EXPERIMENTAL_ETHERTYPE = 0x88B5   # IEEE 802: for local experiments, never routed
+KICK_FRAME = (b"\xff" * 6 + b"\x02\xfc\x00\x00\x00\x00"
+              + LOCAL_EXPERIMENTAL_ETHERTYPE.to_bytes(2, "big") + b"\0" * 46)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Port:
     netns_pid: int | None = None
     ifindex: int | None = None
     nl: tcnl.Netlink | None = None
+    kick_sock: socket.socket | None = None
 
 
 class CongestionControl(app_manager.OSKenApp):
@@ -221,17 +224,6 @@ class CongestionControl(app_manager.OSKenApp):
 
     # --- the sampling loop ------------------------------------------------------------
     def loop(self):
-        # A switch's congestion logic is hardware, never late; here it is a thread
-        # competing with every GPU agent for two cores. Real-time priority keeps
-        # its sampling on time (measured: at normal priority a resume storm
-        # delayed it 5-8 ms, long enough for the queue to overflow its headroom).
-        # (On Ryu's eventlet hub every green thread shares one OS thread: raising it
-        # would raise the whole controller, so it keeps normal priority there.)
-        if getattr(hub, "HUB_TYPE", "eventlet") == "native":
-            try:
-                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
-            except OSError as e:
-                self.logger.warning("congestion sampling at normal priority (%s)", e)
         dump = tcnl.Netlink()
         last_state = last_step = 0.0
         while True:
@@ -339,8 +331,25 @@ class CongestionControl(app_manager.OSKenApp):
         if g is None:
             return
         self.set_gate(port, prio, queues.gate_rate_bytes_s(port.rate_mbps))
+        self.kick(port)
         self.count(port, prio).paused_s += now - g["since"]
         self.event("gate_open", port, prio=prio, paused_s=round(now - g["since"], 6))
+
+    def kick(self, port: Port) -> None:
+        """Make the port's qdisc dequeue again. A tbf that was throttled at 1 B/s has
+        its wake-up timer set ~1000 s ahead, and a rate change does not move it; the
+        queue drains at once only if something new is enqueued on the device. Upstream
+        may be paused by this very queue (nothing will come), so send a frame the
+        neighbour discards (a broadcast of the local experimental EtherType: no flow
+        matches it on a switch, no protocol takes it on a host)."""
+        if port.kick_sock is None:
+            make = (lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
+            port.kick_sock = netns.in_netns(port.netns_pid, make) if port.netns_pid else make()
+            port.kick_sock.bind((port.intf, 0))
+        try:
+            port.kick_sock.send(KICK_FRAME)
+        except OSError:      # a full queue is already being drained
+            pass
 
     def set_gate(self, port: Port, prio: int, rate_bytes_s: int) -> None:
         if port.ifindex is None:

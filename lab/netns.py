@@ -13,7 +13,7 @@ CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _in_netns(pid: int, fn):
+def in_netns(pid: int, fn):
     """fn() run by this thread inside the network namespace of process `pid`."""
     own = os.open("/proc/self/ns/net", os.O_RDONLY)
     target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
@@ -33,8 +33,8 @@ def _in_netns(pid: int, fn):
 def socket_in_netns(pid: int, type_: int, proto: int = 0,
                     family: int = socket.AF_INET) -> socket.socket:
     """A socket inside the network namespace of process `pid` (a Mininet host's shell)."""
-    return _in_netns(pid, lambda: socket.socket(family, type_, proto))
+    return in_netns(pid, lambda: socket.socket(family, type_, proto))
 
 
 def ifindex_in_netns(pid: int, intf: str) -> int:
-    return _in_netns(pid, lambda: socket.if_nametoindex(intf))
+    return in_netns(pid, lambda: socket.if_nametoindex(intf))

@@ -219,8 +219,9 @@ def run(name: str, settings: list[str], out: Path | None = None,
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
             captures = Captures(net.fabric, capture or [], workdir / "captures")
-            with QueueTelemetry(net.fabric, workdir / "queues.csv",
-                                TELEMETRY_INTERVAL_MS) as telemetry, captures, \
+            state = net.controller.congestion_file.with_name("congestion-state.json")
+            with QueueTelemetry(net.fabric, workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
+                                controller_state=state) as telemetry, captures, \
                     LiveView(telemetry, progress, enabled=live):
                 metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
             if capture:

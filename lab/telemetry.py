@@ -6,13 +6,16 @@ every few milliseconds (one rtnetlink dump, lab/tcnl.py).
     tel.summary(t0, t1)["fl-lf0:2:3"]  -> backlog percentiles, drops, marks, pause
 
 Per port and priority (lab/queues.py: the class's tbf gate and what is behind
-it): backlog bytes and packets, packets sent, drops, RED's ECN marks, and
-whether the gate is closed (PFC pause). A CSV row is written when something
-changed; the summary covers any time window of the run.
+it): backlog bytes and packets, packets sent, drops, ECN marks (RED's own
+counter, or the controller's when it marks: its state file, updated every
+100 ms, counts a marking period when it ends), and whether the gate is closed
+(PFC pause). A CSV row is written when something changed; the summary covers
+any time window of the run.
 """
 from __future__ import annotations
 
 import csv
+import json
 import socket
 import threading
 import time
@@ -23,6 +26,7 @@ from pathlib import Path
 from lab import queues, tcnl
 from topologies.fabric import Fabric
 
+CONTROLLER_READ_S = 0.05
 CSV_COLUMNS = ["t", "switch", "port", "priority", "backlog_bytes", "backlog_packets",
                "sent_packets", "drops", "ce_marked", "paused"]
 
@@ -46,9 +50,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class QueueTelemetry:
-    def __init__(self, fabric: Fabric | None, csv_path: Path | None, interval_ms: float = 5.0):
-        """fabric None: every lab switch port found in the kernel (for `fabriclab top`)."""
+    def __init__(self, fabric: Fabric | None, csv_path: Path | None, interval_ms: float = 5.0,
+                 controller_state: Path | None = None):
+        """fabric None: every lab switch port found in the kernel (for `fabriclab top`);
+        controller_state: the congestion app's state file, for its CE marks."""
         self.fabric = fabric
+        self.controller_state = controller_state
+        self._controller_marks: dict[str, int] = {}
+        self._marks_read = 0.0
         self.csv_path = csv_path
         self.interval_s = interval_ms / 1000
         self.series: dict[str, list[QueueSample]] = {}
@@ -99,17 +108,33 @@ class QueueTelemetry:
                 marks[(q.ifindex, q.parent >> 16)] = q.marked
             elif q.kind == "tbf" and queues.priority_of_gate(major) is not None:
                 gates.append(q)
+        controller = self._controller_ce(t)
         out = {}
         for q in gates:
             where = self._port_of(q.ifindex)
             if where is None:
                 continue
             prio = queues.priority_of_gate(q.handle >> 16)
-            out[f"{where[0]}:{where[1]}:{prio}"] = QueueSample(
+            key = f"{where[0]}:{where[1]}:{prio}"
+            out[key] = QueueSample(
                 t, q.backlog_bytes, q.qlen, q.packets, q.drops,
-                marks.get((q.ifindex, q.handle >> 16), 0),
+                marks.get((q.ifindex, q.handle >> 16), 0) + controller.get(key, 0),
                 q.rate_bytes_s == queues.PAUSED_RATE_BYTES_S)
         return out
+
+    def _controller_ce(self, now: float) -> dict[str, int]:
+        """switch:port:priority -> CE marks the controller counted (re-read every 50 ms)."""
+        if self.controller_state is None or now - self._marks_read < CONTROLLER_READ_S:
+            return self._controller_marks
+        self._marks_read = now
+        try:
+            counters = json.loads(self.controller_state.read_text()).get("counters", {})
+        except (OSError, ValueError):
+            return self._controller_marks
+        self._controller_marks = {f"{port}:{prio}": c["ce_marked_packets"]
+                                  for port, per_prio in counters.items()
+                                  for prio, c in per_prio.items() if c.get("ce_marked_packets")}
+        return self._controller_marks
 
     def _run(self) -> None:
         nl = tcnl.Netlink()
@@ -166,7 +191,7 @@ class QueueTelemetry:
             out[key] = {"samples": len(w),
                         "sent_packets": w[-1].sent_packets - w[0].sent_packets,
                         "drops_packets": w[-1].drops - w[0].drops,
-                        "ce_marked_packets_red": w[-1].ce_marked - w[0].ce_marked,
+                        "ce_marked_packets": w[-1].ce_marked - w[0].ce_marked,
                         "backlog_bytes_p50": percentile(backlog, 0.5),
                         "backlog_bytes_p99": percentile(backlog, 0.99),
                         "backlog_bytes_max": max(backlog),
@@ -190,10 +215,23 @@ def render(rows: list[tuple[str, QueueSample]], previous: dict[str, QueueSample]
     """A table of queues (the hottest first): backlog, drops, marks, pause; with
     `previous`, the packets and drops since then."""
     lines = [f"{'queue (switch:port:prio)':26} {'backlog':>9} {'pkts':>5} {'sent+':>7} "
-             f"{'drops':>7} {'ce(red)':>8} {'paused':>6}"]
+             f"{'drops':>7} {'ce':>8} {'paused':>6}"]
     for key, s in rows:
         prev = (previous or {}).get(key)
         sent = s.sent_packets - prev.sent_packets if prev else s.sent_packets
         lines.append(f"{key:26} {s.backlog_bytes / 1024:8.1f}K {s.backlog_packets:5} "
                      f"{sent:7} {s.drops:7} {s.ce_marked:8} {'PAUSED' if s.paused else '':>6}")
     return "\n".join(lines)
+
+
+def write_flow_rates(path: Path, flows: list[dict], frame_bytes: int) -> None:
+    """Per flow, its sending rate every 10 ms (the transports' samples) as CSV."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t", "src", "dst", "sent_packets", "rate_mbps"])
+        for fl in flows:
+            t, sent = fl["rate_samples"]["t"], fl["rate_samples"]["sent"]
+            for i in range(1, len(t)):
+                dt = t[i] - t[i - 1]
+                rate = (sent[i] - sent[i - 1]) * frame_bytes * 8 / dt / 1e6 if dt > 0 else 0.0
+                w.writerow([f"{t[i]:.4f}", fl["src"], fl["dst"], sent[i], f"{rate:.3f}"])

@@ -163,9 +163,12 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
                   "--set", "flow_kb=150", "--set", "variants=none,ecn,pfc",
                   "--set", "none_time_limit_s=3", "--capture", "g1", "--out", str(out),
                   timeout=400)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     mx = m["metrics"]
     assert mx["none"]["drops_packets"] > 0, r.stdout
+    assert mx["none"]["ecn_mode"] == "off" and mx["none"]["ce_marked_packets"] == 0
+    assert mx["none"]["cnp_packets"] == 0
     ecn = mx["ecn"]
     assert ecn["ecn_mode"] == "controller" and ecn["ce_marked_packets"] > 0 < ecn["cnp_packets"]
     pfc = mx["pfc"]
@@ -176,6 +179,8 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
                 "backlog_bytes_p99", "cnp_packets", "sender_rates_pps"):
         assert key in ecn and key in pfc
     assert (out / "queues.csv").stat().st_size > 1000
+    rates = (out / "flows-ecn.csv").read_text().splitlines()
+    assert rates[0] == "t,src,dst,sent_packets,rate_mbps" and len(rates) > 50
     # the capture on g1's port: the switch's PFC frames and the receiver's CNPs, all clean
     g1 = Fabric.load(out / "fabric.json").host("g1").interface()
     pcap = out / "captures" / f"{queues.interface_name(g1.switch, g1.port)}.pcap"
@@ -194,13 +199,16 @@ def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):
     out = tmp_path / "spread"
     r = fabriclab("run", "pfc-spreading", "--set", "incast_kb=150", "--set", "victim_kb=700",
                   "--out", str(out), timeout=400)
+    assert r.returncode in (0, 1), r.stdout + r.stderr     # 1: a claim failed; checked below
     m = json.loads((out / "metrics.json").read_text())
     claims = {c["name"]: c["passed"] for c in m["claims"]}
     assert all(passed for name, passed in claims.items() if name.startswith("pfc")), r.stdout
     # under ECN the victim keeps most of its rate (the claim asks 80%; a shared
-    # 2-core runner may take some of it), and far more than under PFC
+    # 2-core runner may take some of it), and clearly more than under PFC
     ratio = m["metrics"]["victim_rate_vs_alone"]
-    assert ratio["ecn"] > 0.6 and ratio["ecn"] > 5 * ratio["pfc"], r.stdout
+    assert ratio["ecn"] > 0.6 and ratio["ecn"] > ratio["pfc"] + 0.2, r.stdout
+    pfc = m["metrics"]["pfc"]
+    assert pfc["timeouts"] == 0, "pauses held a sender past its retransmit timer"
 
 
 def test_the_same_apps_run_on_ryu(tmp_path):

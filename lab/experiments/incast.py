@@ -23,6 +23,7 @@ from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
+from lab.telemetry import write_flow_rates
 from traffic.constants import PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
 
@@ -35,6 +36,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
 FAIRNESS_TOLERANCE = 0.20
 STEADY_FROM = 0.5
+FRAME_BYTES = 1082      # an RDMA WRITE MIDDLE at the 1024-byte MTU, on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 
 
@@ -76,13 +78,15 @@ class Params:
                                 xon_kb=self.xon_kb, sample_ms=self.sample_ms)
 
 
-def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0) -> dict:
-    """RC for a congested port of this rate: DCQCN's constants stretched to the marking
-    queue (traffic/dcqcn.py), the retransmit timer well above the time a full buffer
-    takes to drain (or every pause would look like a loss)."""
+def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
+              path_queues: int = 1) -> dict:
+    """RC through congested ports of this rate: DCQCN's constants stretched to the
+    marking queue (traffic/dcqcn.py); the retransmit timer well above the time the full
+    buffers on the path take to drain, or a sender held by pauses would resend its whole
+    window into a lossless fabric (a storm of duplicates, seen with 1 buffer's worth)."""
     drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (rate_mbps * 1e3)
     return {"rate_scale": time_scale or time_scale_for(kmax_kb * 1024, rate_mbps * 1e6),
-            "rto_ms": max(50.0, 4 * drain_ms)}
+            "rto_ms": max(50.0, 4 * drain_ms * path_queues)}
 
 
 def choose_hosts(ctx: RunContext) -> tuple[str, list[str]]:
@@ -159,8 +163,10 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     held = ctx.telemetry.summary(*steady).get(key, {})   # what the queue holds once settled
     bottleneck_pps = sum(rates.values())
     fair = bottleneck_pps / len(senders) if rates else 0.0
+    # the controller counts a marking period when it ends: after the run has settled
     marks = after["ce_marked_packets"] - before["ce_marked_packets"] \
-        if mode == "controller" else q.get("ce_marked_packets_red", 0)
+        if mode == "controller" else q.get("ce_marked_packets", 0)
+    write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
         "bottleneck": key,
@@ -176,6 +182,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in flows),
         # a receiver NAKs each gap in its sequence: a loss anywhere on the path
         "receiver_naks": sum(f["receiver_counters"]["naks_sent"] for f in flows),
+        "timeouts": sum(f["counters"]["timeouts"] for f in flows),
         "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
                                             for f in flows),
         "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import UsageError
-from lab.experiments.incast import rc_params, sender_rates
+from lab.experiments.incast import FRAME_BYTES, rc_params, sender_rates
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
+from lab.telemetry import write_flow_rates
 from traffic.constants import PRIORITY_ROCE_DATA
 
 NAME = "pfc-spreading"
@@ -30,6 +31,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 2, "hosts_per_leaf": 
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 40.0,
                                     "rate_scale": 10000}}
 VARIANTS = ("alone", "pfc", "ecn")
+PATH_QUEUES = 3         # leaf 0 uplink, spine to leaf 1, leaf 1 to the host: all may pause
 HOL_LOSS = 0.8          # under PFC the victim keeps less than 80% of its rate alone...
 KEEPS = 0.8             # ...under ECN at least 80% of it
 
@@ -72,7 +74,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
                           xoff_kb=p.xoff_kb, xon_kb=p.xon_kb)
     mode = set_congestion(net, cp)
     recv_if = ctx.fabric.host(r["receiver"]).interface()
-    rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb)
+    rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, path_queues=PATH_QUEUES)
     flows = [(r["victim"], r["victim_dst"], p.victim_kb * 1024)]
     if variant != "alone":
         flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]
@@ -82,6 +84,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     time.sleep(0.3)
     after = read_state(net).get("counters", {})
     victim, incast = res[0], res[1:]
+    write_flow_rates(ctx.workdir / f"flows-{variant}.csv", res, FRAME_BYTES)
     # the victim's rate while the incast runs (alone: over its own middle half)
     end = t0 + (min(f["completion_s"] for f in incast) if incast else victim["completion_s"])
     rate = sender_rates([victim], t0 + 0.25 * (end - t0), end).get(r["victim"], 0.0)
@@ -101,6 +104,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
             "pause_frames_sent_by_switch": _by_switch(pauses_sent),
             "pause_frames_received_by_port": delta("pause_frames_received"),
             "victim_pause_frames_received": victim["sender_nic"]["pause_frames_received"],
+            "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in res),
+            "timeouts": sum(f["counters"]["timeouts"] for f in res),
             "all_intact": all(f["intact"] for f in res)}
 
 

@@ -102,6 +102,7 @@ class RxeHosts:
         self.net = net
         self.hosts = {n: RxeHost(n, net.fabric.host(n).interface(), net.fabric.host(n).gateway)
                       for n in names}
+        self.pids = {n: net.host_pid(n) for n in names}   # their namespaces, to return to
         self.stack = ExitStack()
 
     def __getitem__(self, name: str) -> RxeHost:
@@ -127,7 +128,7 @@ class RxeHosts:
 
     @contextmanager
     def _in_root_namespace(self, h: RxeHost):
-        pid = self.net.host_pid(h.name)
+        pid = self.pids[h.name]
         sh("mnexec", "-a", str(pid), "ip", "link", "set", h.intf.name, "netns", "1")
         try:
             sh("ip", "addr", "add", f"{h.ip}/{h.intf.prefix_len}", "dev", h.intf.name)

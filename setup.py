@@ -15,6 +15,7 @@ setup(
         "scapy>=2.6",
         "numpy>=1.24",
         "iperf3>=0.1.11",
+        "matplotlib>=3.6",
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["fabriclab = lab.cli:main"]},

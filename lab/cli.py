@@ -117,18 +117,26 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from lab import runner
-    progress = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    import time
+
+    from lab import report, runner
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:   # elapsed time on every line of a long run
+        print(f"[{time.monotonic() - t0:6.1f} s] {msg}",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
     workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
                                  capture=args.capture, live=args.live,
                                  controller_runtime=args.controller_runtime)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0 if result["passed"] else 1
+    print(summary_table(report.variants(result["metrics"])))
     for c in result["claims"]:
         print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: measured "
               f"{c['measured']}, expected {c['expected']}")
-    print(f"results: {workdir}/metrics.json")
+    print(f"results: {workdir}/metrics.json\nreport:  {workdir}/report.html "
+          f"(and report.md)")
     return 0 if result["passed"] else 1
 
 
@@ -150,6 +158,25 @@ def cmd_top(args) -> int:
                   f"{body}", flush=True)
             previous, shown = tel.latest(), shown + 1
     return 0
+
+
+def summary_table(sections: dict[str, dict], rows_max: int = 14) -> str:
+    """The variants' numbers side by side: a row per measurement, a column per variant."""
+    from lab.report import scalars
+    if not sections:
+        return ""
+    names = list(sections)
+    keys: list[str] = []
+    for s in sections.values():
+        keys += [k for k in scalars(s) if k not in keys]
+    width = max(len(k) for k in keys[:rows_max])
+    lines = [f"{'':{width}}  " + "  ".join(f"{n:>12}" for n in names)]
+    for k in keys[:rows_max]:
+        cells = [scalars(sections[n]).get(k) for n in names]
+        lines.append(f"{k:{width}}  " + "  ".join(
+            f"{c:>12.4g}" if isinstance(c, float) else f"{'' if c is None else c:>12}"
+            for c in cells))
+    return "\n".join(lines)
 
 
 def cmd_clean(args) -> int:

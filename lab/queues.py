@@ -19,7 +19,7 @@ a pause sets its rate to 1 B/s (lab/tcnl.py: the kernel keeps the queue and
 resets the tokens on a change, so a resume takes effect at once; htb's own
 classes cannot do this: a class charged at a tiny rate owes up to 60 s).
 
-A GPU host's NIC has the same classes with small FIFOs (`host_buffer_kb`, the
+A GPU host's NIC has the same classes with their own FIFOs (`host_buffer_kb`, the
 NIC's transmit FIFOs) and no RED: its transport paces and honours pause frames
 (traffic/nic.py), and the PFC engine closes the NIC's gate as hardware would
 (controllers/congestion.py).
@@ -59,10 +59,11 @@ class QueueParams:
     # The other classes (control traffic, CNPs) are small: together with the RoCE
     # class they stay below OVS's ~100 KB of AF_PACKET send buffer per port.
     control_buffer_kb: int = 16
-    # A GPU host's own queue is its NIC's transmit FIFO: small, so that a PFC pause
-    # stops the host within a few frames (what sits here is past the pause), and a
-    # full FIFO pushes back on the transport (ENOBUFS) instead of hiding a backlog.
-    host_buffer_kb: int = 8
+    # A GPU host's queues are its NIC's transmit FIFOs, behind the NIC's gates (a PFC
+    # pause holds them too). A full one pushes back on the transport (ENOBUFS). 32 KB
+    # rides out a Python agent's scheduling hiccups at 100 Mb/s (with 8 KB, sprayed
+    # flows stalled on ENOBUFS and finished later than RC's).
+    host_buffer_kb: int = 32
     # DSCP -> priority; anything else -> DEFAULT_PRIORITY
     dscp_priority: dict[int, int] = field(default_factory=lambda: dict(DSCP_PRIORITY))
     red: RedParams | None = None

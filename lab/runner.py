@@ -12,6 +12,7 @@ topology's parameters, builds the fabric, runs, and writes
     fabric.json   the fabric description
     metrics.json  parameters, measurements, claims (written atomically)
     queues.csv    every switch queue, sampled every few ms (lab/telemetry.py)
+    report.md, report.html   parameters, claims, tables, plots (plots/)
     logs/         controller log
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab import experiments as experiments_pkg
+from lab import report
 from lab.errors import UsageError
 from lab.queues import QueueParams
 from lab.network import FabricNetwork
@@ -254,4 +256,5 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "timings_s": {**timings, "total_s": time.monotonic() - t0},
     }
     write_json_atomic(workdir / "metrics.json", result)
+    report.write(workdir, result)
     return workdir, result

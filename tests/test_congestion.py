@@ -181,6 +181,13 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
     assert (out / "queues.csv").stat().st_size > 1000
     rates = (out / "flows-ecn.csv").read_text().splitlines()
     assert rates[0] == "t,src,dst,sent_packets,rate_mbps" and len(rates) > 50
+    # the report: claims, tables and plots, the HTML self-contained
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "## Claims" in md and "| PASS |" in md and "## Measurements" in md
+    for png in ("queues.png", "rates-ecn.png", "rates-pfc.png", "retransmitted_packets.png"):
+        assert (out / "plots" / png).stat().st_size > 5000 and f"plots/{png}" in md
+    assert page.count("data:image/png;base64,") >= 4 and "plots/" not in page
+    assert "wireshark -X lua_script:" in md and "macc" in md     # how to open the capture
     # the capture on g1's port: the switch's PFC frames and the receiver's CNPs, all clean
     g1 = Fabric.load(out / "fabric.json").host("g1").interface()
     pcap = out / "captures" / f"{queues.interface_name(g1.switch, g1.port)}.pcap"

@@ -1,0 +1,253 @@
+"""A run's report: report.md and a self-contained report.html, with PNG plots.
+
+    report.write(workdir, result)   # result: what metrics.json holds
+
+What it shows, when the run has it: the parameters; the claims with pass/fail;
+a table of each variant's numbers; the busiest queues' backlog over time
+(queues.csv); each variant's per-flow sending rates (flows-VARIANT.csv); bytes
+per spine uplink and retransmissions per variant; how to open the captures.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+from pathlib import Path
+
+PLOTS = "plots"
+QUEUES_SHOWN = 4
+COLUMNS_SHOWN = 12
+
+
+# --- data ------------------------------------------------------------------------------
+def variants(metrics: dict) -> dict[str, dict]:
+    """The metrics' per-variant sections: dicts holding scalar measurements."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, dict) and k not in ("telemetry", "captures")
+            and sum(isinstance(x, (int, float)) for x in v.values()) >= 2}
+
+
+def scalars(section: dict) -> dict[str, float]:
+    return {k: v for k, v in section.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def queue_series(workdir: Path, keys: list[str]) -> dict[str, tuple[list[float], list[int]]]:
+    path = workdir / "queues.csv"
+    out: dict[str, tuple[list[float], list[int]]] = {k: ([], []) for k in keys}
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            key = f"{row['switch']}:{row['port']}:{row['priority']}"
+            if key in out:
+                out[key][0].append(float(row["t"]))
+                out[key][1].append(int(row["backlog_bytes"]))
+    return {k: v for k, v in out.items() if v[0]}
+
+
+def flow_series(path: Path) -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            t, r = out.setdefault(f"{row['src']}->{row['dst']}", ([], []))
+            t.append(float(row["t"]))
+            r.append(float(row["rate_mbps"]))
+    return out
+
+
+# --- plots -----------------------------------------------------------------------------
+def _figure(title: str, xlabel: str, ylabel: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_queues(workdir: Path, result: dict, out: Path) -> Path | None:
+    busiest = [k for k, q in result["metrics"].get("telemetry", {})
+               .get("busiest_queues", {}).items() if q.get("backlog_bytes_max")]
+    series = queue_series(workdir, busiest[:QUEUES_SHOWN])
+    if not series:
+        return None
+    t0 = min(t[0] for t, _ in series.values())
+    plt, fig, ax = _figure("Queue backlog, busiest queues (switch:port:priority)",
+                           "time (s)", "backlog (KB)")
+    for key, (t, b) in series.items():
+        ax.step([x - t0 for x in t], [x / 1024 for x in b], where="post", label=key, lw=0.8)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, out / "queues.png")
+
+
+def plot_flow_rates(csv_path: Path, out: Path) -> Path | None:
+    series = flow_series(csv_path)
+    if not series:
+        return None
+    variant = csv_path.stem.removeprefix("flows-")
+    t0 = min(t[0] for t, _ in series.values())
+    plt, fig, ax = _figure(f"Per-flow sending rate, {variant}", "time (s)", "rate (Mb/s)")
+    for name, (t, r) in sorted(series.items()):
+        # a 50 ms moving average: the 10 ms samples are a few packets each
+        k = 5
+        smooth = [sum(r[max(0, i - k + 1):i + 1]) / len(r[max(0, i - k + 1):i + 1])
+                  for i in range(len(r))]
+        ax.plot([x - t0 for x in t], smooth, lw=0.8, label=name)
+    if len(series) <= 10:
+        ax.legend(fontsize=7, ncol=2)
+    return _save(plt, fig, out / f"rates-{variant}.png")
+
+
+def plot_bars(result: dict, key: str, title: str, ylabel: str, out: Path) -> Path | None:
+    """A bar per variant (a list value: a group of bars per variant)."""
+    data = {v: s[key] for v, s in variants(result["metrics"]).items() if key in s}
+    if not data:
+        return None
+    plt, fig, ax = _figure(title, "", ylabel)
+    names = list(data)
+    if all(isinstance(x, list) for x in data.values()):
+        width = 0.8 / max(len(x) for x in data.values())
+        for i, name in enumerate(names):
+            for j, value in enumerate(data[name]):
+                ax.bar(i + (j - (len(data[name]) - 1) / 2) * width, value, width * 0.9,
+                       color=f"C{j}", label=f"link {j}" if i == 0 else None)
+        ax.legend(fontsize=8)
+    else:
+        ax.bar(range(len(names)), [data[n] for n in names], color="C0")
+    ax.set_xticks(range(len(names)), names)
+    return _save(plt, fig, out / f"{key}.png")
+
+
+def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
+    out = workdir / PLOTS
+    out.mkdir(exist_ok=True)
+    plots = [("Queue backlog over time", plot_queues(workdir, result, out))]
+    for path in sorted(workdir.glob("flows-*.csv")):
+        plots.append((f"Per-flow rates ({path.stem.removeprefix('flows-')})",
+                      plot_flow_rates(path, out)))
+    plots.append(("Bytes per spine uplink", plot_bars(
+        result, "bytes_per_spine_uplink", "Bytes per spine uplink", "bytes", out)))
+    plots.append(("Retransmissions", plot_bars(
+        result, "retransmitted_packets", "Retransmitted packets per variant", "packets", out)))
+    return [(title, p) for title, p in plots if p is not None]
+
+
+# --- documents -------------------------------------------------------------------------
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) for the report's tables."""
+    claims = [[("PASS" if c["passed"] else "FAIL"), c["name"], _fmt(c["measured"]),
+               str(c["expected"])] for c in result["claims"]]
+    out = [("Claims", ["", "claim", "measured", "expected"], claims)]
+    params = {**result["params"], **{f"topology.{k}": v for k, v in result["topology"].items()}}
+    out.append(("Parameters", ["parameter", "value"],
+                [[k, _fmt(v)] for k, v in params.items()]))
+    sections = variants(result["metrics"])
+    if sections:
+        cols: list[str] = []
+        for s in sections.values():
+            cols += [k for k in scalars(s) if k not in cols]
+        cols = cols[:COLUMNS_SHOWN]
+        out.append(("Measurements", ["variant", *cols],
+                    [[name, *(_fmt(scalars(s).get(c, "")) for c in cols)]
+                     for name, s in sections.items()]))
+    return out
+
+
+def captures_text(result: dict) -> list[str]:
+    caps = result["metrics"].get("captures")
+    if not caps:
+        return []
+    lines = [f"- `{Path(c['file']).name}` ({c['bytes']:,} bytes)" for c in caps["ports"].values()]
+    return lines + ["", f"Open them with the lab's dissector: `{caps['open_with']}`; "
+                        f"display filter for CNPs, CE marks and pause frames: "
+                        f"`{caps['display_filter']}`"]
+
+
+def markdown(result: dict, plots: list[tuple[str, Path]]) -> str:
+    verdict = "all claims hold" if result["passed"] else "A CLAIM FAILED"
+    md = [f"# {result['experiment']}: {verdict}", "",
+          f"Rate scale: {result['rate_scale']['meaning']}. OVS datapath: "
+          f"{result.get('datapath')}. Total time {result['timings_s']['total_s']:.1f} s.", ""]
+    md += [f"> warning: {w}" for w in result.get("warnings", [])]
+    for title, header, rows in tables(result):
+        md += [f"## {title}", "", "| " + " | ".join(header) + " |",
+               "|" + "---|" * len(header)]
+        md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        md.append("")
+    for title, path in plots:
+        md += [f"## {title}", "", f"![{title}]({PLOTS}/{path.name})", ""]
+    caps = captures_text(result)
+    if caps:
+        md += ["## Captures", "", *caps, ""]
+    md += ["Files: `metrics.json` (everything above), `queues.csv`, `config.json`, "
+           "`fabric.json`, `logs/`."]
+    return "\n".join(md) + "\n"
+
+
+def html_page(result: dict, plots: list[tuple[str, Path]]) -> str:
+    esc = html.escape
+    body = [f"<h1>{esc(result['experiment'])}: "
+            f"{'all claims hold' if result['passed'] else 'A CLAIM FAILED'}</h1>",
+            f"<p>Rate scale: {esc(result['rate_scale']['meaning'])}. OVS datapath: "
+            f"{esc(str(result.get('datapath')))}.</p>"]
+    body += [f"<p class=warn>warning: {esc(w)}</p>" for w in result.get("warnings", [])]
+    for title, header, rows in tables(result):
+        body.append(f"<h2>{esc(title)}</h2><table><tr>"
+                    + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
+        for row in rows:
+            cls = {"PASS": " class=pass", "FAIL": " class=fail"}.get(row[0], "")
+            body.append(f"<tr{cls}>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>")
+        body.append("</table>")
+    for title, path in plots:
+        data = base64.b64encode(path.read_bytes()).decode()
+        body.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' "
+                    f"src='data:image/png;base64,{data}'>")
+    caps = captures_text(result)
+    if caps:
+        body.append("<h2>Captures</h2><pre>" + esc("\n".join(caps)) + "</pre>")
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+             "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;"
+             "padding:2px 6px}.pass td:first-child{color:#070}.fail td:first-child"
+             "{color:#b00;font-weight:bold}.warn{color:#b60}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>"
+            f"{esc(result['experiment'])}</title><style>{style}</style></head><body>"
+            + "\n".join(body) + "</body></html>\n")
+
+
+def write(workdir: Path, result: dict) -> tuple[Path, Path]:
+    workdir = Path(workdir)
+    plots = make_plots(workdir, result)
+    md, page = workdir / "report.md", workdir / "report.html"
+    md.write_text(markdown(result, plots))
+    page.write_text(html_page(result, plots))
+    return md, page
+
+
+def main() -> None:
+    """python -m lab.report RESULTS_DIR: (re)write a finished run's report."""
+    import sys
+    workdir = Path(sys.argv[1])
+    md, page = write(workdir, json.loads((workdir / "metrics.json").read_text()))
+    print(f"{md}\n{page}")
+
+
+if __name__ == "__main__":
+    main()

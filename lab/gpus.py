@@ -63,11 +63,13 @@ class CollectiveResult:
 
 class GpuAgents:
     def __init__(self, net: FabricNetwork, hosts: list[str] | None = None,
-                 network: str = "scale-out"):
+                 network: str = "scale-out", first_collective_id: int = 1):
+        """first_collective_id: a second set of agents on the same hosts (background
+        traffic) starts far from the first, so their QP numbers never meet (agent.qpn_for)."""
         self.net, self.fabric, self.network = net, net.fabric, network
         self.hosts = [net.fabric.host(h) for h in (hosts or [h.name for h in net.fabric.hosts])]
         self.procs: dict[str, subprocess.Popen] = {}
-        self.next_id = 1
+        self.next_id = first_collective_id
         self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
         for h in self.hosts:
             intf = h.interface(network)

@@ -3,9 +3,10 @@
     report.write(workdir, result)   # result: what metrics.json holds
 
 What it shows, when the run has it: the parameters; the claims with pass/fail;
-a table of each variant's numbers; the busiest queues' backlog over time
-(queues.csv); each variant's per-flow sending rates (flows-VARIANT.csv); bytes
-per spine uplink and retransmissions per variant; how to open the captures.
+a table of each variant's numbers; the training step's compute vs waiting; the
+busiest queues' backlog over time (queues.csv); each variant's per-flow sending
+rates (flows-VARIANT.csv); bytes per spine uplink and retransmissions per
+variant; how to open the captures.
 """
 from __future__ import annotations
 
@@ -130,10 +131,32 @@ def plot_bars(result: dict, key: str, title: str, ylabel: str, out: Path) -> Pat
     return _save(plt, fig, out / f"{key}.png")
 
 
+def plot_step_breakdown(result: dict, out: Path) -> Path | None:
+    """Per variant, the mean step: compute, then waiting on the network."""
+    data = {v: s for v, s in variants(result["metrics"]).items()
+            if "step_s_mean" in s and "allreduce_s_mean" in s}
+    if not data:
+        return None
+    plt, fig, ax = _figure("Mean training step: compute vs waiting on the all-reduce", "",
+                           "time (ms)")
+    names = list(data)
+    comm = [data[n]["allreduce_s_mean"] * 1e3 for n in names]
+    compute = [(data[n]["step_s_mean"] - data[n]["allreduce_s_mean"]) * 1e3 for n in names]
+    ax.bar(range(len(names)), compute, color="C2", label="compute")
+    ax.bar(range(len(names)), comm, bottom=compute, color="C3", label="waiting on the network")
+    for i, n in enumerate(names):
+        ax.text(i, compute[i] + comm[i], f"idle {data[n]['idle_fraction_mean']:.0%}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, out / "step_breakdown.png")
+
+
 def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
     out = workdir / PLOTS
     out.mkdir(exist_ok=True)
-    plots = [("Queue backlog over time", plot_queues(workdir, result, out))]
+    plots = [("Step time: compute vs waiting", plot_step_breakdown(result, out)),
+             ("Queue backlog over time", plot_queues(workdir, result, out))]
     for path in sorted(workdir.glob("flows-*.csv")):
         plots.append((f"Per-flow rates ({path.stem.removeprefix('flows-')})",
                       plot_flow_rates(path, out)))

@@ -71,7 +71,9 @@ class PacketWire(SocketWire):
         self.control.setblocking(False)
         # The host kernel also sees the UDP 4791 frames; holding the port stops it
         # answering each with an ICMP port unreachable. Nothing reads this socket.
+        # (Shared: a host may run a second agent, e.g. for background traffic.)
         self.holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.holder.bind((ip, ROCE_V2_UDP_PORT))
 

@@ -1,0 +1,194 @@
+"""Training steps: compute, then an all-reduce of the gradients; the GPUs wait on the network.
+
+Four GPU hosts, two per leaf, form a ring that crosses the leaves twice in each
+direction (g0 -> g4 -> g1 -> g5 -> g0 on the default fabric), so two ring flows
+leave each leaf toward the other over two spines. Every step, each GPU computes
+for `compute_ms` (modelled as time the network is not used), then all-reduces
+`grad_kb` of float32 gradients; the step ends when every GPU has the mean (each
+result is checked). The GPU idle fraction is the time spent waiting on the
+all-reduce over the step time. Variants, one after another:
+  clean        RC, nothing else on the fabric
+  incast       RC, while three other hosts blast one of the GPUs (background incast:
+               its port's queue fills and drops; go-back-N resends)
+  incast+ecn   the same, with ECN marking and DCQCN senders: the queue stays short
+  spray        MRC on a clean fabric: every packet on its own entropy value, so the
+               two flows leaving a leaf use both spines, where RC's two pinned flows
+               hash onto the same spine in about half the steps (new QPs every step)
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab.congestion import CongestionParams, set_congestion
+from lab.errors import UsageError
+from lab.experiments.incast import rc_params
+from lab.gpus import GpuAgents
+from lab.runner import Claim, RunContext
+
+NAME = "training-step"
+DESCRIPTION = "compute + all-reduce steps: GPU idle fraction, clean, under incast, with ECN, sprayed"
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 2, "leaves": 2, "hosts_per_leaf": 4,
+                                    "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
+                                    "rate_scale": 10000}}
+VARIANTS = ("clean", "incast", "incast+ecn", "spray")
+BACKGROUND_FLOW_KB = 200     # each background sender's message, sent again and again
+BACKGROUND_COLLECTIVE_IDS = 128
+
+
+@dataclass
+class Params:
+    topology: str = "leaf-spine"
+    steps: int = 6
+    compute_ms: float = 200.0
+    grad_kb: int = 128           # per GPU, all-reduced every step
+    variants: str = ",".join(VARIANTS)
+    ecn: str = "auto"            # the incast+ecn variant's marking: auto | red | controller
+    seed: int = 1
+
+    def validate(self) -> None:
+        bad = set(self.variant_list) - set(VARIANTS)
+        if bad:
+            raise UsageError(f"unknown training-step variant(s) {sorted(bad)}; choose from "
+                             f"{', '.join(VARIANTS)}")
+        if self.topology != "leaf-spine":
+            raise UsageError("training-step needs topology=leaf-spine (two leaves)")
+        if self.steps < 1 or self.compute_ms < 0 or self.grad_kb <= 0:
+            raise UsageError("need steps >= 1, compute_ms >= 0 and grad_kb > 0")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+
+def roles(ctx: RunContext) -> tuple[list[str], list[str], str]:
+    """(the ring, in order; the background senders; the GPU they blast)."""
+    by_leaf: dict[str, list[str]] = {}
+    for h in ctx.fabric.hosts:
+        by_leaf.setdefault(h.interface().switch, []).append(h.name)
+    left, right = (by_leaf[k] for k in sorted(by_leaf)[:2])
+    if len(left) < 3 or len(right) < 3:
+        raise UsageError("training-step needs two leaves with at least 3 hosts each "
+                         "(hosts_per_leaf >= 3)")
+    ring = [left[0], right[0], left[1], right[1]]      # crosses the leaves 4 times
+    victim = right[1]
+    background = [*left[2:], *right[2:]]
+    return ring, background, victim
+
+
+class BackgroundIncast:
+    """Other hosts send to one GPU, message after message, until stopped."""
+
+    def __init__(self, ctx: RunContext, senders: list[str], target: str, rc: dict):
+        # the target also runs a ring agent: these agents' QPs are numbered apart
+        self.gpus = GpuAgents(ctx.net, hosts=[target, *senders],
+                              first_collective_id=BACKGROUND_COLLECTIVE_IDS)
+        self.target, self.senders, self.rc = target, senders, rc
+        self.stop = threading.Event()
+        self.rounds, self.error = 0, None
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.gpus.transfers([(s, self.target, BACKGROUND_FLOW_KB * 1024)
+                                     for s in self.senders], "rc", params=self.rc,
+                                    timeout_s=60)
+                self.rounds += 1
+        except Exception as e:   # reported in the metrics; the training loop goes on
+            self.error = str(e)
+
+    def __enter__(self) -> "BackgroundIncast":
+        self.thread.start()
+        time.sleep(0.3)          # the queue is full before the first step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=90)
+        self.gpus.close()
+
+
+def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | None) -> dict:
+    p = ctx.params
+    n = len(gpus.hosts)
+    elems = p.grad_kb * 1024 // 4
+    steps = []
+    for s in range(p.steps):
+        time.sleep(p.compute_ms / 1000)        # every GPU computes: the network is idle
+        grads = [rng.standard_normal(elems).astype(np.float32) for _ in range(n)]
+        res = gpus.allreduce(grads, transport, op="mean", params=params, timeout_s=120)
+        expected = np.mean(np.stack(grads), axis=0)
+        ok = all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)
+        comm_s = res.time_s
+        step_s = p.compute_ms / 1000 + comm_s
+        steps.append({"step": s, "allreduce_s": round(comm_s, 4), "step_s": round(step_s, 4),
+                      "idle_fraction": round(comm_s / step_s, 4), "correct": ok,
+                      "retransmitted": sum(c.get("retransmitted", 0) for per in res.counters
+                                           for c in per.values())})
+        ctx.progress(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
+                     f"{comm_s / step_s:.0%}")
+    return {"steps": steps,
+            "step_s_mean": round(statistics.mean(x["step_s"] for x in steps), 4),
+            "allreduce_s_mean": round(statistics.mean(x["allreduce_s"] for x in steps), 4),
+            "allreduce_s_max": max(x["allreduce_s"] for x in steps),
+            "idle_fraction_mean": round(statistics.mean(x["idle_fraction"] for x in steps), 4),
+            "retransmitted_packets": sum(x["retransmitted"] for x in steps),
+            "all_correct": all(x["correct"] for x in steps)}
+
+
+def run(ctx: RunContext) -> dict:
+    p = ctx.params
+    ring, background, victim = roles(ctx)
+    rate = ctx.fabric.host(victim).interface().rate_mbps
+    cc = CongestionParams()
+    rc = rc_params(ctx.net, rate, cc.kmax_kb)
+    out = {"ring": ring, "background_senders": background, "incast_target": victim,
+           "model_allreduce_s": round(2 * (len(ring) - 1) / len(ring) * p.grad_kb * 1024 * 8
+                                      / (rate * 1e6), 4)}
+    rng = np.random.default_rng(p.seed)
+    with GpuAgents(ctx.net, hosts=ring) as gpus:
+        for variant in p.variant_list:
+            ctx.progress(f"{variant}: {p.steps} steps of {p.compute_ms:.0f} ms compute + "
+                         f"all-reduce of {p.grad_kb} KB over {len(ring)} GPUs")
+            set_congestion(ctx.net, CongestionParams(ecn=p.ecn if "ecn" in variant else "off"))
+            transport = "mrc" if variant == "spray" else "rc"
+            params = rc if transport == "rc" else None
+            if variant.startswith("incast"):
+                with BackgroundIncast(ctx, background, victim, rc) as bg:
+                    m = train(ctx, gpus, transport, rng, params)
+                m["background_rounds"], m["background_error"] = bg.rounds, bg.error
+            else:
+                m = train(ctx, gpus, transport, rng, params)
+            out[variant] = m
+            ctx.progress(f"  mean step {m['step_s_mean'] * 1e3:.0f} ms, all-reduce "
+                         f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
+                         f"{m['idle_fraction_mean']:.0%}")
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
+    set_congestion(ctx.net, CongestionParams())
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    ran = [v for v in params.variant_list if v in m]
+    idle = {v: m[v]["idle_fraction_mean"] for v in ran}
+    out = [Claim("every GPU holds the mean after every step, every variant",
+                 all(m[v]["all_correct"] for v in ran), {v: m[v]["all_correct"] for v in ran},
+                 "all True")]
+    if "clean" in idle and "incast" in idle:
+        out.append(Claim("a background incast raises the GPU idle fraction",
+                         idle["incast"] > idle["clean"],
+                         f"incast {idle['incast']:.3f}", f"> clean {idle['clean']:.3f}"))
+    if "incast" in idle and "incast+ecn" in idle:
+        out.append(Claim("ECN (DCQCN) brings it down again under the same incast",
+                         idle["incast+ecn"] < idle["incast"],
+                         f"incast+ecn {idle['incast+ecn']:.3f}", f"< incast {idle['incast']:.3f}"))
+    if "clean" in idle and "spray" in idle:
+        out.append(Claim("spraying (MRC) idles the GPUs less than RC's pinned flows",
+                         idle["spray"] < idle["clean"],
+                         f"spray {idle['spray']:.3f}", f"< clean (RC) {idle['clean']:.3f}"))
+    return out

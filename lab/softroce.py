@@ -30,7 +30,9 @@ import dataclasses
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -248,11 +250,15 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None
 
 def ib_write_bw(server: RxeHost, client: RxeHost, size_bytes: int, iterations: int,
                 tclass: int = 0, qp_timeout_exp: int = 14, port: int = IB_WRITE_BW_PORT,
-                timeout_s: float = 300.0) -> WriteBw:
+                tx_depth: int = 0, timeout_s: float = 300.0) -> WriteBw:
     """`iterations` RDMA WRITEs of `size_bytes` from client to server over one RC QP
-    (perftest's ib_write_bw; its own TCP connection exchanges the QP numbers)."""
+    (perftest's ib_write_bw; its own TCP connection exchanges the QP numbers).
+    tx_depth: WRITEs outstanding at once (perftest's -t; 0: its default, 128), which
+    with the size bounds what the QP has in flight below rxe's own cap."""
     common = ["-s", str(size_bytes), "-n", str(iterations), "-m", "1024", "-F",
               "-p", str(port), "-u", str(qp_timeout_exp), "--report_gbits"]
+    if tx_depth:
+        common += ["-t", str(tx_depth)]
     if tclass:
         common += ["--tclass", str(tclass)]
     srv = subprocess.Popen(["ib_write_bw", "-d", server.device, "-x", str(server.gid_index),
@@ -289,32 +295,49 @@ def _average_gbps(report: str, size_bytes: int) -> float:
 # --- captures ---------------------------------------------------------------------
 class Capture:
     """tcpdump on one interface (root namespace) until exit; waits until it listens,
-    so that a transfer's first frames are in it. Recorded for `fabriclab clean`."""
+    so that a transfer's first frames are in it. Recorded for `fabriclab clean`.
+    It writes to local disk and the pcap moves to `pcap` at the end: written straight
+    to the lab VM's 9p share, tcpdump fell behind, and what it had not read when
+    stopped was lost (measured: the last third of a 320-packet transfer)."""
 
     def __init__(self, intf: str, pcap: Path, bpf: str = ""):
         self.intf, self.pcap, self.bpf = intf, Path(pcap), bpf
+        self.local = Path(tempfile.mkdtemp(prefix="fl-capture-")) / self.pcap.name
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "Capture":
-        self.pcap.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["tcpdump", "-i", self.intf, "-U", "-w", str(self.pcap)] + \
+        cmd = ["tcpdump", "-i", self.intf, "-U", "-w", str(self.local)] + \
             (self.bpf.split() if self.bpf else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
-        state.record_process(self.proc.pid, f"-w {self.pcap}", "capture")
+        state.record_process(self.proc.pid, f"-w {self.local}", "capture")
         for line in self.proc.stderr:
             if "listening on" in line:
                 return self
         raise LabError(f"tcpdump on {self.intf} did not start: {self.proc.wait()}")
 
+    def _caught_up(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+        """Until the pcap stops growing: tcpdump has written what the kernel handed it."""
+        deadline, size, since = time.monotonic() + timeout_s, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.local.stat().st_size if self.local.exists() else 0
+            if now != size:
+                size, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.1)
+
     def __exit__(self, *exc) -> None:
-        time.sleep(0.3)   # the last frames reach the socket
+        self._caught_up()
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.pcap.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.local), self.pcap)
+        self.local.parent.rmdir()
 
 
 def pcap_frames(pcap: Path) -> list[tuple[float, bytes]]:
@@ -371,7 +394,7 @@ def roce_flow_stats(frames: list[tuple[float, bytes]], sender_ip: str) -> RoceFl
         if p is None or p.opcode == Opcode.CNP:
             continue
         if p.opcode == Opcode.ACKNOWLEDGE:
-            if p.src_ip == sender_ip:
+            if socket.inet_ntoa(frame[30:34]) != sender_ip:   # another flow's, or its own
                 continue
             s.acks += 1
             s.naks += p.syndrome == AethSyndrome.NAK_PSN_SEQUENCE_ERROR

@@ -14,9 +14,14 @@ Retransmitted = data frames whose PSN had already been sent; goodput = delivered
 payload over first data frame to last ACK. The tools' own figures ride along
 (the lab's counters and CRC check; ib_write_bw's bandwidth and rxe's hw_counters).
 
-The lab's RC is set up like rxe's QP: the same retransmit timeout (the QP's
-`-u` exponent), the same cap on unacknowledged packets (rxe's 128), no DCQCN (rxe
-has none). Needs rdma_rxe: the lab VM or the Vagrant VM.
+The lab's RC is set up like the rxe QP: the same retransmit timeout (the QP's `-u`
+exponent), the same packets in flight (ib_write_bw's `tx_depth` WRITEs outstanding,
+of `message_kb` each), an ACK per message as rxe asks for one at each message's last
+packet, no DCQCN (rxe has none). The window is small on purpose: with perftest's
+default (128 WRITEs; rxe then caps its QP at 128 unacknowledged packets), 3% loss
+made rxe exceed its retry count (IBV_WC_RETRY_EXC_ERR, measured): every go-back-N
+round resends up to 128 packets, and a round rarely gets through unscathed.
+Needs rdma_rxe: the lab VM or the Vagrant VM.
 """
 from __future__ import annotations
 
@@ -39,7 +44,6 @@ DESCRIPTION = ("the same transfer by real RoCE (rxe) and by the lab's RC, clean 
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 2, "hosts_per_leaf": 1,
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
                                     "rate_scale": 10000}}
-RXE_MAX_UNACKED_PSNS = 128   # rxe's cap on unacknowledged request packets (rxe_param.h)
 MTU_BYTES = 1024
 
 
@@ -47,17 +51,20 @@ MTU_BYTES = 1024
 class Params:
     topology: str = "leaf-spine"
     loss_percents: str = "0,1,3"
-    message_kb: int = 16          # one RDMA WRITE (ib_write_bw -s)
-    messages: int = 20            # ib_write_bw -n: 320 KB in all by default
-    qp_timeout_exp: int = 14      # the QP's ACK timeout, 4.096 us * 2^exp (67 ms), for both
+    message_kb: int = 4           # one RDMA WRITE (ib_write_bw -s)
+    messages: int = 80            # ib_write_bw -n: 320 KB in all by default
+    tx_depth: int = 4             # WRITEs outstanding (ib_write_bw -t): 16 packets in flight
+    # the QP's ACK timeout, 4.096 us * 2^exp (134 ms), for both: under a software CPU
+    # perftest's default (14, 67 ms) fired without loss now and then
+    qp_timeout_exp: int = 15
     transfer_timeout_s: float = 300.0
 
     def validate(self) -> None:
         if not self.loss_list or any(not 0 <= x <= 10 for x in self.loss_list):
             raise UsageError(f"loss_percents must be comma-separated rates in [0, 10], got "
                              f"{self.loss_percents!r}")
-        if self.message_kb <= 0 or self.messages <= 0:
-            raise UsageError("message_kb and messages must be positive")
+        if self.message_kb <= 0 or self.messages <= 0 or self.tx_depth <= 0:
+            raise UsageError("message_kb, messages and tx_depth must be positive")
         if not 8 <= self.qp_timeout_exp <= 20:
             raise UsageError(f"qp_timeout_exp must be in [8, 20], got {self.qp_timeout_exp}")
         # at once, before any fabric is built
@@ -74,8 +81,13 @@ class Params:
     def total_bytes(self) -> int:
         return self.message_kb * 1024 * self.messages
 
+    @property
+    def message_packets(self) -> int:
+        return -(-self.message_kb * 1024 // MTU_BYTES)
+
     def lab_rc(self) -> dict:
-        return {"window_packets": RXE_MAX_UNACKED_PSNS,
+        return {"window_packets": self.tx_depth * self.message_packets,
+                "ack_every_packets": self.message_packets,
                 "rto_ms": qp_timeout_ms(self.qp_timeout_exp), "dcqcn": False,
                 "mtu_bytes": MTU_BYTES}
 
@@ -125,7 +137,7 @@ def rxe_run(ctx: RunContext, rxe: RxeHosts, src, dst, loss: float) -> dict:
             RandomLoss(os.getpid(), d.intf.name, loss) as drop:
         bw = ib_write_bw(server=d, client=s, size_bytes=p.message_kb * 1024,
                          iterations=p.messages, qp_timeout_exp=p.qp_timeout_exp,
-                         timeout_s=p.transfer_timeout_s)
+                         tx_depth=p.tx_depth, timeout_s=p.transfer_timeout_s)
         lost = drop.dropped()
     m = wire(roce_flow_stats(pcap_frames(pcap), s.ip), lost)
     m.update(completed=True, pcap=str(pcap.relative_to(ctx.workdir)),

@@ -32,8 +32,15 @@ from traffic.constants import PRIORITY_ROCE_DATA, Opcode
 pytestmark = pytest.mark.kernel
 
 RECEIVER, SENDERS = "g0", ("g1", "g2")
-MESSAGE_BYTES = 16384
-ITERATIONS = 16              # 256 KB per sender: ~0.4 s of the bottleneck at 10 Mb/s
+# 256 KB per sender (~0.5 s of the bottleneck at 10 Mb/s), at most 6 x 4 KB in flight
+# each. rxe has no congestion control: with its default window (up to 128 packets) two
+# senders overflow the 64 KB queue until its retries run out (measured). 2 x 24 KB
+# stays under the buffer, and is enough to fill the port under TCG (2 x 4 KB was not:
+# window-bound at ~2.5 Mb/s each), so the queue passes Kmin and XOFF: RED marks, PFC
+# pauses.
+MESSAGE_BYTES = 4096
+ITERATIONS = 64
+TX_DEPTH = 6
 TCLASS_ROCE_NOT_ECT = TCLASS_ROCE_ECT0 & ~0b11
 
 
@@ -46,7 +53,7 @@ def incast(rxe, tclass: int):
     """Both senders write to the receiver at once (a server per sender)."""
     with ThreadPoolExecutor(len(SENDERS)) as pool:
         runs = [pool.submit(ib_write_bw, rxe[RECEIVER], rxe[s], MESSAGE_BYTES, ITERATIONS,
-                            tclass=tclass, port=IB_WRITE_BW_PORT + k)
+                            tclass=tclass, port=IB_WRITE_BW_PORT + k, tx_depth=TX_DEPTH)
                 for k, s in enumerate(SENDERS)]
         return [r.result() for r in runs]
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.kernel
 
 def test_softroce_experiment_go_back_n_in_both(tmp_path):
     out = tmp_path / "softroce"
-    # 12 x 16 KB = 192 packets: ~8 lost at 4%, a few seconds at 10 Mb/s under TCG
-    r = fabriclab("run", "softroce", "--set", "loss_percents=0,4", "--set", "messages=12",
+    # 48 x 4 KB = 192 packets: ~8 lost at 4%, a few seconds at 10 Mb/s under TCG
+    r = fabriclab("run", "softroce", "--set", "loss_percents=0,4", "--set", "messages=48",
                   "--out", str(out), timeout=900)
     print(r.stdout, r.stderr[-2000:])
     m = json.loads((out / "metrics.json").read_text())
@@ -25,7 +25,7 @@ def test_softroce_experiment_go_back_n_in_both(tmp_path):
         assert t[clean]["lost_packets"] == 0 and t[lossy]["lost_packets"] > 0, name
         assert t[lossy]["retransmitted"] > t[lossy]["lost_packets"], f"{name}: not go-back-N"
         assert t[lossy]["retransmitted"] > t[clean]["retransmitted"], name
-        assert t[lossy]["distinct_psns"] == 192 and t[lossy]["payload_bytes"] == 12 * 16384, \
+        assert t[lossy]["distinct_psns"] == 192 and t[lossy]["payload_bytes"] == 48 * 4096, \
             f"{name}: the capture does not hold the whole transfer"
         assert t[clean]["goodput_mbps"] and t[lossy]["goodput_mbps"], name
     assert lab[clean]["intact"] and lab[lossy]["intact"]

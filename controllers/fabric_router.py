@@ -8,6 +8,9 @@ learnt by flooding: each switch gets, as soon as it connects,
   * ARP to the controller, which answers from the description (proxy ARP),
   * MAC Control frames (PFC, PAUSE) to the controller, whose congestion app
     honours them (controllers/congestion.py).
+When a link goes down (or up) the app recomputes every route without it and
+reprograms every switch, after a configurable delay: the convergence time of
+the routing protocol it stands for.
 Nothing else matches, and the switches run in fail-mode secure: no flooding,
 no spanning tree, no loops.
 
@@ -27,17 +30,21 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import json
 import struct
+import time
+from pathlib import Path
 
 from os_ken import cfg
 from os_ken.base import app_manager
 from os_ken.controller import ofp_event
 from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
+from os_ken.lib import hub
 from os_ken.lib.packet import arp, ethernet, packet
 from os_ken.ofproto import ether, ofproto_v1_5
 from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
-from controllers.routes import Deliver, Forward, arp_table, routes_for
+from controllers.routes import Deliver, Forward, arp_table, routes_for, without_links
 from topologies.fabric import Fabric
 from traffic.constants import (EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
                                ROCE_V2_UDP_PORT)
@@ -105,6 +112,10 @@ class FabricRouter(app_manager.OSKenApp):
         self.subnets = [(ipaddress.ip_network(c), c) for c in self.arp]
         self.by_dpid = {sw.dpid: sw.name for sw in self.fabric.switches}
         self.pending_barrier: set[int] = set()
+        self.datapaths: dict[int, object] = {}
+        self.programmed: set[int] = set()
+        self.down: set[tuple[str, int]] = set()     # (switch, port) of links that are down
+        self.routing_file = Path(conf.fabric_file).with_name("routing.json")
 
     # --- one handler per OpenFlow event ------------------------------------------------
     @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
@@ -115,7 +126,29 @@ class FabricRouter(app_manager.OSKenApp):
         if name is None:
             self.logger.warning("dpid %#x is not in the fabric; ignoring it", dp.id)
             return
+        self.datapaths[dp.id] = dp
         self.program(dp, name)
+
+    @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
+    @logged
+    def port_status(self, ev):
+        """A link went down (or came back): route around it, after the configured
+        convergence delay (routing.json next to the fabric file: reroute_delay_ms)."""
+        msg = ev.msg
+        ofp = msg.datapath.ofproto
+        name = self.by_dpid.get(msg.datapath.id)
+        key = (name, msg.desc.port_no)
+        # While the fabric is built, ports are added down and come up: the links
+        # the description lists are up from the start. Only later changes count.
+        if (name is None or msg.desc.port_no not in self.fabric.switch_ports(name)
+                or msg.reason != ofp.OFPPR_MODIFY or msg.datapath.id not in self.programmed):
+            return
+        down = bool(msg.desc.state & ofp.OFPPS_LINK_DOWN)
+        if down == (key in self.down):
+            return
+        (self.down.add if down else self.down.discard)(key)
+        self.routing_event("link_down" if down else "link_up", name, msg.desc.port_no)
+        self.threads.append(hub.spawn(self.reroute, self.reroute_delay_s()))
 
     @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
     @logged
@@ -123,6 +156,7 @@ class FabricRouter(app_manager.OSKenApp):
         dpid = ev.msg.datapath.id
         if dpid in self.pending_barrier:
             self.pending_barrier.discard(dpid)
+            self.programmed.add(dpid)
             self.logger.info("programmed %s (dpid %d)", self.by_dpid[dpid], dpid)
             if self.status_file:
                 with open(self.status_file, "a") as f:
@@ -140,6 +174,26 @@ class FabricRouter(app_manager.OSKenApp):
         if mac is None:
             return
         self.send_arp_reply(msg.datapath, msg.match["in_port"], req, mac)
+
+    # --- rerouting ----------------------------------------------------------------------
+    def reroute_delay_s(self) -> float:
+        try:
+            return json.loads(self.routing_file.read_text()).get("reroute_delay_ms", 0) / 1000
+        except (FileNotFoundError, ValueError):
+            return 0.0
+
+    def reroute(self, delay_s: float) -> None:
+        hub.sleep(delay_s)
+        self.routes = routes_for(without_links(self.fabric, self.down))
+        for dpid, dp in list(self.datapaths.items()):
+            self.program(dp, self.by_dpid[dpid])
+        self.routing_event("rerouted", "", 0, down=sorted(f"{n}:{p}" for n, p in self.down))
+
+    def routing_event(self, kind: str, switch: str, port: int, **more) -> None:
+        self.logger.info("%s %s %s %s", kind, switch, port or "", more or "")
+        with open(self.routing_file.with_name("routing-events.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "event": kind, "switch": switch,
+                                "port": port, **more}) + "\n")
 
     # --- programming ------------------------------------------------------------------
     def program(self, dp, name: str) -> None:

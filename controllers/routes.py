@@ -11,7 +11,7 @@ there are several, they form one ECMP set.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from topologies.fabric import Fabric
 
@@ -75,6 +75,13 @@ def routes_for(fabric: Fabric) -> dict[str, list[Deliver | Forward]]:
                            if dist.get(peer) == d - 1 for p in plist)
             routes[sw].append(Forward(subnet.cidr, tuple(ports)))
     return routes
+
+
+def without_links(fabric: Fabric, down: set[tuple[str, int]]) -> Fabric:
+    """The fabric minus every link with an end (node, port) in `down`."""
+    return replace(fabric, links=[ln for ln in fabric.links
+                                  if (ln.a, ln.a_port) not in down
+                                  and (ln.b, ln.b_port) not in down])
 
 
 def arp_table(fabric: Fabric) -> dict[str, dict[str, str]]:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from lab import doctor, queues
+from lab import events as lab_events
 from lab.errors import LabError, UsageError
 
 ECN_MODES = ("auto", "red", "controller", "off")
@@ -123,15 +124,6 @@ def read_state(net) -> dict:
 
 
 def events(net, since: float = 0.0) -> list[dict]:
-    path = net.controller.congestion_file.with_name("congestion-events.jsonl")
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):
-                    e = json.loads(line)
-                    if e["t"] >= since:
-                        out.append(e)
-    except FileNotFoundError:
-        pass
-    return out
+    """The congestion app's events (xoff, xon, gates, marking, watchdog) since `since`."""
+    return lab_events.read(net.controller.congestion_file.with_name("congestion-events.jsonl"),
+                           since)

@@ -46,7 +46,8 @@ class Controller:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.fabric.save(self.fabric_file)
         self.status_file.write_text("")
-        for name in ("congestion.json", "congestion-state.json", "congestion-events.jsonl"):
+        for name in ("congestion.json", "congestion-state.json", "congestion-events.jsonl",
+                     "routing.json", "routing-events.jsonl"):
             (self.workdir / name).unlink(missing_ok=True)   # a fresh run's files only
         marker = f"--status {self.status_file}"
         interpreter = sys.executable if self.runtime == "os-ken" else str(ryu.ensure())

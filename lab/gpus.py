@@ -191,7 +191,10 @@ class GpuAgents:
                         "receiver_counters": d["counters"][f"{transport}:{rx_qp:#x}"],
                         "sender_nic": s["nic"], "evs": s.get("evs", {}).get(f"{tx_qp:#x}"),
                         "rate_samples": {"t": s["rate_samples"]["t"],
-                                         "sent": s["rate_samples"]["sent"][f"{tx_qp:#x}"]}})
+                                         "sent": s["rate_samples"]["sent"][f"{tx_qp:#x}"]},
+                        "receiver_samples": {
+                            "t": d["rate_samples"]["t"],
+                            "delivered": d["rate_samples"]["delivered"][f"{rx_qp:#x}"]}})
         return out
 
     def incast(self, root: str, nbytes: int, transport: str = "rc",

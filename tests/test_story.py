@@ -20,3 +20,30 @@ def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path)
     assert incast["background_rounds"] >= 1 and incast["background_error"] is None
     md = (out / "report.md").read_text()
     assert "plots/step_breakdown.png" in md and (out / "plots" / "step_breakdown.png").exists()
+
+
+def test_routes_skip_a_failed_link():
+    from controllers.routes import Forward, routes_for, without_links
+    from topologies.registry import build_topo
+    fabric = build_topo("leaf-spine", spines=4, leaves=2, hosts_per_leaf=1).fabric
+    before = [r for r in routes_for(fabric)["fl-lf0"] if isinstance(r, Forward)]
+    after_fail = routes_for(without_links(fabric, {("fl-lf0", 1)}))
+    assert before[0].ports == (1, 2, 3, 4)
+    assert [r.ports for r in after_fail["fl-lf0"] if isinstance(r, Forward)] == [(2, 3, 4)]
+    # the far leaf no longer sends leaf 0's traffic to the spine that lost its link
+    far = [r for r in after_fail["fl-lf1"] if isinstance(r, Forward)][0]
+    assert len(far.ports) == 3
+
+
+def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path):
+    out = tmp_path / "lf"
+    r = fabriclab("run", "link-failure", "--set", "flow_kb=900", "--set", "fail_after_s=0.4",
+                  "--set", "reroute_delay_ms=800", "--out", str(out), timeout=600)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())["metrics"]
+    rc, mrc = m["rc"], m["mrc"]
+    assert rc["intact"] and mrc["intact"], r.stdout
+    assert rc["rerouted_after_s"] >= 0.8 and mrc["rerouted_after_s"] >= 0.8
+    # RC's pinned QP waits for the reroute; MRC retires the dead EV and goes on
+    assert rc["stall_s"] >= 0.6 and mrc["stall_s"] < 0.5 * rc["stall_s"], r.stdout
+    assert mrc["evs_retired"] >= 1

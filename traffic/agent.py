@@ -153,7 +153,8 @@ class Agent:
         nics = list(self.nics.values())
 
         # per-QP packets sent, sampled for the lab's per-flow rate telemetry
-        samples = {"t": [], "sent": {f"{qpn:#x}": [] for nic in nics for qpn in nic.qps}}
+        samples = {"t": [], "sent": {f"{qpn:#x}": [] for nic in nics for qpn in nic.qps},
+                   "delivered": {f"{qpn:#x}": [] for nic in nics for qpn in nic.qps}}
         next_sample = 0.0
 
         def done() -> bool:
@@ -165,6 +166,7 @@ class Agent:
                 for nic in nics:
                     for qpn, qp in nic.qps.items():
                         samples["sent"][f"{qpn:#x}"].append(qp.counters.sent)
+                        samples["delivered"][f"{qpn:#x}"].append(qp.counters.bytes_delivered)
             for nic in nics:
                 for qp in nic.qps.values():
                     while qp.events:

@@ -1,0 +1,169 @@
+"""A spine uplink fails in the middle of a transfer: RC stalls, MRC keeps going.
+
+One long transfer from a host on leaf 0 to a host on leaf 1, over four spines,
+once by RC and once by MRC (one explicit entropy value per spine). After
+`fail_after_s` the leaf-0 uplink carrying the most traffic goes down (its
+veth, so both switches see the port drop). The controller reroutes around it
+after `reroute_delay_ms`, the convergence time of the routing it stands for.
+  RC   its one UDP source port pins the QP to one spine: if that spine is the one
+       lost, everything it sends is lost until the reroute, and then it waits for
+       its retransmit timer
+  MRC  the packets on the dead entropy value are lost, selectively resent on the
+       others, and the dead EV is retired; it never stops
+Stall: the longest time the receiver's delivered bytes did not grow after the
+failure. Then the link comes back, and the routes with it, before the next variant.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab.errors import LabError, UsageError
+from lab.gpus import GpuAgents, explicit_evs
+from lab.queues import interface_name
+from lab import events
+from lab.runner import Claim, RunContext
+
+NAME = "link-failure"
+DESCRIPTION = "a spine uplink goes down mid-transfer: RC stalls until rerouted, MRC retires the EV"
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 1,
+                                    "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
+                                    "rate_scale": 10000}}
+STALL_RATIO = 0.5           # MRC's stall under half of RC's
+WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
+
+
+@dataclass
+class Params:
+    topology: str = "leaf-spine"
+    flow_kb: int = 2000
+    fail_after_s: float = 0.6
+    reroute_delay_ms: float = 1500.0
+
+    def validate(self) -> None:
+        if self.topology != "leaf-spine":
+            raise UsageError("link-failure needs topology=leaf-spine")
+        if self.flow_kb <= 0 or self.fail_after_s <= WINDOW_S or self.reroute_delay_ms < 0:
+            raise UsageError(f"need flow_kb > 0, fail_after_s > {WINDOW_S}, "
+                             f"reroute_delay_ms >= 0")
+
+
+def uplinks(ctx: RunContext, leaf: str) -> list[str]:
+    spines = {s.name for s in ctx.fabric.switches if s.role == "spine"}
+    return [interface_name(leaf, p) for p, (peer, _) in
+            sorted(ctx.fabric.switch_ports(leaf).items()) if peer in spines]
+
+
+def tx_bytes(intf: str) -> int:
+    return int(Path(f"/sys/class/net/{intf}/statistics/tx_bytes").read_text())
+
+
+def set_link(intf: str, up: bool) -> None:
+    r = subprocess.run(["ip", "link", "set", intf, "up" if up else "down"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"could not set {intf} {'up' if up else 'down'}: {r.stderr.strip()}")
+
+
+def stall_s(samples: dict, since: float) -> float:
+    """The longest stretch after `since` in which the delivered bytes did not grow."""
+    longest, last_growth, last = 0.0, since, None
+    for t, d in zip(samples["t"], samples["delivered"]):
+        if t < since:
+            last = d
+            continue
+        if last is not None and d > last:
+            longest = max(longest, t - last_growth)
+            last_growth = t
+        last = d
+    return round(longest, 3)
+
+
+def wait_reroute(ctx: RunContext, since: float, timeout_s: float) -> float | None:
+    """When the controller finished rerouting after `since` (its event log), or None."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        done = [e["t"] for e in events.read(ctx.workdir / "routing-events.jsonl", since)
+                if e["event"] == "rerouted"]
+        if done:
+            return done[0]
+        time.sleep(0.05)
+    return None
+
+
+def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, src: str, dst: str,
+                leaf: str) -> dict:
+    p = ctx.params
+    links = uplinks(ctx, leaf)
+    params = {"evs": explicit_evs(ctx.fabric, ctx.fabric.host(src))} if transport == "mrc" \
+        else None
+    result: dict = {}
+    flow = threading.Thread(target=lambda: result.update(
+        gpus.transfers([(src, dst, p.flow_kb * 1024)], transport, params=params,
+                       timeout_s=120)[0]))
+    t0 = time.time()
+    flow.start()
+    time.sleep(p.fail_after_s - WINDOW_S)
+    before = [tx_bytes(i) for i in links]
+    time.sleep(WINDOW_S)
+    load = [tx_bytes(i) - b for i, b in zip(links, before)]
+    failed = links[max(range(len(links)), key=load.__getitem__)]
+    t_fail = time.time()
+    set_link(failed, up=False)
+    ctx.progress(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
+                 f"{WINDOW_S:.1f} s: {load})")
+    flow.join(timeout=180)
+    rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
+    t_up = time.time()
+    set_link(failed, up=True)
+    wait_reroute(ctx, t_up, p.reroute_delay_ms / 1000 + 5)   # the routes are whole again
+    if not result:
+        raise LabError(f"the {transport} transfer did not finish")
+    evs = result.get("evs") or []
+    return {"failed_link": failed, "failed_at_s": round(t_fail - t0, 3),
+            "uplink_bytes_before": load,
+            "rerouted_after_s": round(rerouted - t_fail, 3) if rerouted else None,
+            "stall_s": stall_s(result["receiver_samples"], t_fail),
+            "completion_s": round(result["completion_s"], 3),
+            "retransmitted_packets": result["counters"]["retransmitted"],
+            "timeouts": result["counters"]["timeouts"],
+            "evs_retired": sum(1 for ev in evs if ev["retirements"]),
+            "intact": result["intact"]}
+
+
+def run(ctx: RunContext) -> dict:
+    p = ctx.params
+    hosts = ctx.fabric.hosts
+    src, dst = hosts[0].name, hosts[-1].name
+    leaf = hosts[0].interface().switch
+    (ctx.workdir / "routing.json").write_text(json.dumps(
+        {"reroute_delay_ms": p.reroute_delay_ms}))
+    out = {"src": src, "dst": dst}
+    with GpuAgents(ctx.net, hosts=[src, dst]) as gpus:
+        for transport in ("rc", "mrc"):
+            ctx.progress(f"{transport}: {p.flow_kb} KB {src} -> {dst}; an uplink of {leaf} "
+                         f"fails after {p.fail_after_s} s, rerouted after "
+                         f"{p.reroute_delay_ms:.0f} ms")
+            m = out[transport] = run_variant(ctx, gpus, transport, src, dst, leaf)
+            ctx.progress(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
+                         f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
+        out["cpu_bound_hosts"] = gpus.cpu_bound()
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    rc, mrc = m["rc"], m["mrc"]
+    return [
+        Claim("both transfers arrive intact", rc["intact"] and mrc["intact"],
+              {"rc": rc["intact"], "mrc": mrc["intact"]}, "both True"),
+        Claim("the controller rerouted around the failed link",
+              rc["rerouted_after_s"] is not None and mrc["rerouted_after_s"] is not None,
+              {"rc": rc["rerouted_after_s"], "mrc": mrc["rerouted_after_s"]}, "seconds, both"),
+        Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
+              mrc["stall_s"] < STALL_RATIO * rc["stall_s"],
+              f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s"),
+    ]

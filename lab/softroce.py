@@ -304,9 +304,11 @@ class Capture:
         self.intf, self.pcap, self.bpf = intf, Path(pcap), bpf
         self.local = Path(tempfile.mkdtemp(prefix="fl-capture-")) / self.pcap.name
         self.proc: subprocess.Popen | None = None
+        self.kernel_drops: int | None = None
 
     def __enter__(self) -> "Capture":
-        cmd = ["tcpdump", "-i", self.intf, "-U", "-w", str(self.local)] + \
+        # a 32 MB buffer: under a software CPU, busy neighbours starve tcpdump for a while
+        cmd = ["tcpdump", "-i", self.intf, "-B", "32768", "-U", "-w", str(self.local)] + \
             (self.bpf.split() if self.bpf else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
@@ -316,7 +318,7 @@ class Capture:
                 return self
         raise LabError(f"tcpdump on {self.intf} did not start: {self.proc.wait()}")
 
-    def _caught_up(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    def _caught_up(self, quiet_s: float = 1.0, timeout_s: float = 20.0) -> None:
         """Until the pcap stops growing: tcpdump has written what the kernel handed it."""
         deadline, size, since = time.monotonic() + timeout_s, -1, time.monotonic()
         while time.monotonic() < deadline:
@@ -331,10 +333,12 @@ class Capture:
         self._caught_up()
         self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(timeout=30)
+            _, err = self.proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            _, err = self.proc.communicate()
+        m = re.search(r"(\d+) packets? dropped by kernel", err or "")
+        self.kernel_drops = int(m[1]) if m else None   # frames the capture missed
         self.pcap.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(self.local), self.pcap)
         self.local.parent.rmdir()

@@ -111,13 +111,14 @@ def sender_port(ctx: RunContext, host: str) -> str:
 def lab_rc_run(ctx: RunContext, gpus: GpuAgents, src, dst, loss: float) -> dict:
     p = ctx.params
     pcap = ctx.workdir / "captures" / f"lab-rc-{key(loss)}.pcap"
-    with Capture(sender_port(ctx, src.name), pcap, "udp port 4791"), \
+    with Capture(sender_port(ctx, src.name), pcap, "udp port 4791") as cap, \
             RandomLoss(ctx.net.host_pid(dst.name), dst.interface().name, loss) as drop:
         [flow] = gpus.transfers([(src.name, dst.name, p.total_bytes)], "rc",
                                 params=p.lab_rc(), timeout_s=p.transfer_timeout_s)
         lost = drop.dropped()
     m = wire(roce_flow_stats(pcap_frames(pcap), src.ip), lost)
     m.update(intact=flow["intact"], pcap=str(pcap.relative_to(ctx.workdir)),
+             capture_kernel_drops=cap.kernel_drops,
              own={"completion_s": round(flow["completion_s"], 3),
                   "goodput_mbps": round(p.total_bytes * 8 / flow["completion_s"] / 1e6, 3),
                   "retransmitted": flow["counters"]["retransmitted"],
@@ -133,7 +134,7 @@ def rxe_run(ctx: RunContext, rxe: RxeHosts, src, dst, loss: float) -> dict:
     pcap = ctx.workdir / "captures" / f"rxe-{key(loss)}.pcap"
     before = {h.name: hw_counters(h.device) for h in (s, d)}
     # the receiver's interface is in the root namespace now: nft runs in ours
-    with Capture(sender_port(ctx, src.name), pcap, "udp port 4791"), \
+    with Capture(sender_port(ctx, src.name), pcap, "udp port 4791") as cap, \
             RandomLoss(os.getpid(), d.intf.name, loss) as drop:
         bw = ib_write_bw(server=d, client=s, size_bytes=p.message_kb * 1024,
                          iterations=p.messages, qp_timeout_exp=p.qp_timeout_exp,
@@ -141,6 +142,7 @@ def rxe_run(ctx: RunContext, rxe: RxeHosts, src, dst, loss: float) -> dict:
         lost = drop.dropped()
     m = wire(roce_flow_stats(pcap_frames(pcap), s.ip), lost)
     m.update(completed=True, pcap=str(pcap.relative_to(ctx.workdir)),
+             capture_kernel_drops=cap.kernel_drops,
              own={"ib_write_bw_average_mbps": round(bw.bw_gbps * 1000, 3),
                   "sender_hw_counters": counter_delta(hw_counters(s.device), before[s.name]),
                   "receiver_hw_counters": counter_delta(hw_counters(d.device),
@@ -198,6 +200,12 @@ def claims(params: Params, m: dict) -> list[Claim]:
                  all(m[t][k]["malformed"] == 0 for t in ("lab_rc", "rxe") for k in losses),
                  {t: sum(m[t][k]["malformed"] for k in losses) for t in ("lab_rc", "rxe")},
                  "0 malformed")]
+    whole = params.messages * params.message_packets
+    out.append(Claim("the captures hold every packet of every transfer (the counts are exact)",
+                     all(m[t][k]["distinct_psns"] == whole for t in ("lab_rc", "rxe")
+                         for k in losses),
+                     {t: [m[t][k]["distinct_psns"] for k in losses] for t in ("lab_rc", "rxe")},
+                     f"{whole} PSNs each"))
     if lossy:
         out.append(Claim("the link lost packets at every nonzero loss rate, for both",
                          all(m[t][k]["lost_packets"] > 0 for t in ("lab_rc", "rxe") for k in lossy),

@@ -1,7 +1,7 @@
 """The fabric's congestion features act on real RoCE: Soft-RoCE (rxe) incast.
 
 Two rxe senders (g1, g2) write to one rxe receiver (g0), all on leaf 0, every
-link 10 Mb/s: the leaf's port toward g0 gets twice what it can send, so that
+link 3 Mb/s: the leaf's port toward g0 gets twice what it can send, so that
 port's RoCE queue is the bottleneck. The rxe hosts' interfaces live in the root
 namespace (lab/softroce.py) but hang on the same leaf ports as ever, so their
 traffic enters the fabric there: at g1's and g2's leaf ports.
@@ -32,15 +32,19 @@ from traffic.constants import PRIORITY_ROCE_DATA, Opcode
 pytestmark = pytest.mark.kernel
 
 RECEIVER, SENDERS = "g0", ("g1", "g2")
-# 256 KB per sender (~0.5 s of the bottleneck at 10 Mb/s), at most 6 x 4 KB in flight
-# each. rxe has no congestion control: with its default window (up to 128 packets) two
-# senders overflow the 64 KB queue until its retries run out (measured). 2 x 24 KB
-# stays under the buffer, and is enough to fill the port under TCG (2 x 4 KB was not:
-# window-bound at ~2.5 Mb/s each), so the queue passes Kmin and XOFF: RED marks, PFC
-# pauses.
+# 128 KB per sender, at most 6 x 4 KB in flight each. rxe has no congestion control:
+# with its default window (up to 128 packets) two senders overflow the 64 KB queue until
+# its retries run out (measured). 2 x 24 KB stays under the buffer. Under TCG an rxe
+# flow is window-bound (1.4-2.3 Mb/s measured with 24 KB, RTTs of a software CPU), so at
+# 10 Mb/s the queue built only now and then (one run: no XOFF at all); at 3 Mb/s the
+# 48 KB in flight drain in ~130 ms, far longer than the base RTT: the queue holds most
+# of it, past Kmin and XOFF. The QP timeout (4.096 us * 2^17, 0.5 s) stays above that
+# queueing delay, or rxe would time out and resend without a loss.
+RATE_MBPS = 3
 MESSAGE_BYTES = 4096
-ITERATIONS = 64
+ITERATIONS = 32
 TX_DEPTH = 6
+QP_TIMEOUT_EXP = 17
 TCLASS_ROCE_NOT_ECT = TCLASS_ROCE_ECT0 & ~0b11
 
 
@@ -53,7 +57,8 @@ def incast(rxe, tclass: int):
     """Both senders write to the receiver at once (a server per sender)."""
     with ThreadPoolExecutor(len(SENDERS)) as pool:
         runs = [pool.submit(ib_write_bw, rxe[RECEIVER], rxe[s], MESSAGE_BYTES, ITERATIONS,
-                            tclass=tclass, port=IB_WRITE_BW_PORT + k, tx_depth=TX_DEPTH)
+                            tclass=tclass, port=IB_WRITE_BW_PORT + k, tx_depth=TX_DEPTH,
+                            qp_timeout_exp=QP_TIMEOUT_EXP)
                 for k, s in enumerate(SENDERS)]
         return [r.result() for r in runs]
 
@@ -132,8 +137,8 @@ def test_softroce_incast_ce_marks_and_pfc_frames(tmp_path):
     """One fabric for both (the suite's fixture clears lab objects between tests)."""
     subprocess.run(["modprobe", "rdma_rxe"])   # RxeHosts says clearly if it is missing
     hosts = [RECEIVER, *SENDERS]
-    with leaf_spine(tmp_path, spines=1, leaves=2, hosts_per_leaf=3, host_rate_mbps=10,
-                    fabric_rate_mbps=10) as net, RxeHosts(net, hosts) as rxe, \
-            without_lab_mac(net, hosts):
+    with leaf_spine(tmp_path, spines=1, leaves=2, hosts_per_leaf=3,
+                    host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS) as net, \
+            RxeHosts(net, hosts) as rxe, without_lab_mac(net, hosts):
         red_marks_ce_on_rxe_frames(net, rxe, tmp_path)
         pfc_frames_sent_toward_rxe_senders(net, rxe, tmp_path)

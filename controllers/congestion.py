@@ -61,6 +61,7 @@ cfg.CONF.register_cli_opts([
 MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
 STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
+REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 LOCAL_EXPERIMENTAL_ETHERTYPE = 0x88B5   # IEEE 802: for local experiments, never routed
 KICK_FRAME = (b"\xff" * 6 + b"\x02\xfc\x00\x00\x00\x00"
               + LOCAL_EXPERIMENTAL_ETHERTYPE.to_bytes(2, "big") + b"\0" * 46)
@@ -429,6 +430,8 @@ class CongestionControl(app_manager.OSKenApp):
                 del self.xoff_sent[key]
             for (sw, p, prio) in list(self.gates):
                 self.open_gate(self.port_of(sw, p), prio, now)
+        if new.active != self.config.active:
+            self.realtime(new.active)
         self.config = new
         self.logger.info("congestion configuration %d: %s", new.version, asdict(new))
         self.write_state()
@@ -440,6 +443,26 @@ class CongestionControl(app_manager.OSKenApp):
                 "gap_ms_p50": round(_quantile(gaps, 0.5) * 1e3, 3),
                 "gap_ms_p99": round(_quantile(gaps, 0.99) * 1e3, 3),
                 "gap_ms_max": round(gaps[-1] * 1e3, 3) if gaps else 0.0}
+
+    def realtime(self, on: bool) -> None:
+        """While ECN or PFC is on, every thread of the controller runs SCHED_FIFO: a
+        switch's congestion logic is hardware, never late, and here it competes with
+        every GPU agent for two cores (measured at normal priority: a resume storm
+        delayed the queue sampling 5-8 ms, long enough to overflow the headroom; with
+        only the sampling thread raised it still waited behind OpenFlow threads holding
+        the interpreter lock: priority inversion). Its threads block on sockets and
+        sleep between samples. Off again when idle, and never while the fabric is
+        being built. (On Ryu's eventlet hub all green threads share one OS thread:
+        there it stays at normal priority.)"""
+        if getattr(hub, "HUB_TYPE", "eventlet") != "native":
+            return
+        policy = os.SCHED_FIFO if on else os.SCHED_OTHER
+        param = os.sched_param(REALTIME_PRIORITY if on else 0)
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setscheduler(int(tid), policy, param)
+        except OSError as e:
+            self.logger.warning("congestion handling at normal priority (%s)", e)
 
     def count(self, port: Port, prio: int) -> PortCounters:
         return self.counters.setdefault((port.device, port.port, prio), PortCounters())

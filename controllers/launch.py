@@ -12,11 +12,9 @@ import argparse
 import importlib
 import importlib.abc
 import importlib.util
-import os
 import sys
 
 GIL_SWITCH_INTERVAL_S = 0.0002
-REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 DEFAULT_APPS = ["controllers.fabric_router", "controllers.congestion"]
 
 
@@ -72,26 +70,10 @@ def main(argv=None) -> None:
                    "--fabriclab-congestion-file", args.congestion],
              project=project)
     log.init_log()
-    if args.runtime == "os-ken":
-        realtime()
-    AppManager.run_apps(apps)
-
-
-def realtime() -> None:
-    """A switch's congestion logic is hardware, never late; here it is a thread that
-    competes with every GPU agent for two cores (measured at normal priority: a resume
-    storm delayed its queue sampling 5-8 ms, long enough to overflow the headroom).
-    The whole controller runs SCHED_FIFO (its threads inherit it): the sampling thread
-    alone was not enough, since it waits for the interpreter lock and the app's lock
-    held by OpenFlow threads, which the agents could then preempt (priority inversion:
-    measured, 5 ms stalls). Its threads block on sockets and sleep between samples,
-    so they use little CPU; the interpreter lock is handed over every 0.2 ms, not 5."""
+    # The congestion app's sampling thread must not wait for the interpreter lock
+    # behind the OpenFlow threads for Python's default 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
-    except OSError as e:
-        print(f"controller at normal priority ({e}): PFC reacts later under load",
-              file=sys.stderr)
+    AppManager.run_apps(apps)
 
 
 if __name__ == "__main__":

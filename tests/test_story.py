@@ -47,3 +47,15 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path):
     # RC's pinned QP waits for the reroute; MRC retires the dead EV and goes on
     assert rc["stall_s"] >= 0.6 and mrc["stall_s"] < 0.5 * rc["stall_s"], r.stdout
     assert mrc["evs_retired"] >= 1
+
+
+def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):
+    out = tmp_path / "rack"
+    r = fabriclab("run", "rack-vs-scaleout", "--set", "size_kb=128", "--out", str(out),
+                  timeout=600)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())["metrics"]
+    for algorithm in ("ring", "hier"):
+        assert m[algorithm]["agree"], r.stdout
+        assert m[algorithm]["over_model"] >= 1.0      # nothing beats the wire
+    assert m["model_speedup"] > 3      # 9:1 scale-up: the model's hierarchical win

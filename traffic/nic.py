@@ -235,6 +235,9 @@ def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float) -> bool:
             nic.receive(now)
             nic.transmit(now)
             wake = min(wake, nic.timers(now))
-        busy = any(nic.ctrl for nic in nics)
+        # Work left for now: responses to send, or QP events (a message sent or
+        # received) that done() has yet to hand to the collective: sleeping now
+        # would hold them until the next frame or timer (measured: 50 ms per message).
+        busy = any(nic.ctrl or any(qp.events for qp in nic.qps.values()) for nic in nics)
         poller.poll(0 if busy else max(0.0, (wake - time.monotonic()) * 1000))
     return True

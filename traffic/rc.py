@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from traffic.constants import AethSyndrome, Opcode
 from traffic.dcqcn import DcqcnParams, NotificationPoint, ReactionPoint
 from traffic.qp import Message, QueuePair, psn_delta
-from traffic.roce import Parsed, aeth, immdt, reth
+from traffic.roce import WRITE_OVERHEAD_BYTES, Parsed, aeth, immdt, reth
 
 
 @dataclass
@@ -52,6 +52,11 @@ class RcQP(QueuePair):
         self.rx_va = 0           # where the next in-order payload lands
         self.rx_bytes = 0        # of the message being received
         p = self.params
+        # The timer must outlast sending a whole window at the line rate, or a slow
+        # link turns every window into a spurious go-back-N (seen at 2 Mb/s: no end)
+        window_s = (2 * p.window_packets * (p.mtu_bytes + WRITE_OVERHEAD_BYTES) * 8
+                    / (p.line_rate_mbps * 1e6)) if p.line_rate_mbps else 0.0
+        self.rto_s = max(p.rto_ms / 1000, window_s)
         self.dcqcn = DcqcnParams().at_scale(p.rate_scale) if p.dcqcn else None
         self.rp: ReactionPoint | None = None       # made at the first send (needs the clock)
         self.np = NotificationPoint(self.dcqcn) if self.dcqcn else None
@@ -103,11 +108,11 @@ class RcQP(QueuePair):
 
     def deadline(self) -> float | None:
         if self.snd_una < self.snd_nxt:
-            return self.last_progress + self.params.rto_ms / 1000
+            return self.last_progress + self.rto_s
         return None
 
     def on_timer(self, now: float) -> None:
-        if self.snd_una < self.snd_nxt and now >= self.last_progress + self.params.rto_ms / 1000:
+        if self.snd_una < self.snd_nxt and now >= self.last_progress + self.rto_s:
             self.counters.timeouts += 1
             self.snd_nxt = self.snd_una          # go back N
             self.last_progress = now

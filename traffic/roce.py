@@ -15,6 +15,8 @@ from traffic.constants import (AETH_BYTES, BTH_BYTES, ICRC_BYTES, IMMDT_BYTES, P
                                RETH_BYTES, ROCE_V2_UDP_PORT, Opcode)
 
 ETH_BYTES, IPV4_BYTES, UDP_BYTES = 14, 20, 8
+# what a full RDMA WRITE MIDDLE adds to its payload on the wire: the frame of an MTU
+WRITE_OVERHEAD_BYTES = ETH_BYTES + IPV4_BYTES + UDP_BYTES + BTH_BYTES + ICRC_BYTES
 ETH_P_IP = 0x0800
 IP_TTL = 64
 _ETH = struct.Struct("!6s6sH")

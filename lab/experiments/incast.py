@@ -24,8 +24,9 @@ from lab.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
 from lab.telemetry import write_flow_rates
-from traffic.constants import PRIORITY_ROCE_DATA
+from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
+from traffic.roce import WRITE_OVERHEAD_BYTES
 
 NAME = "incast"
 DESCRIPTION = "N hosts send to one at full rate: drops, then ECN (DCQCN), PFC, ECN+PFC"
@@ -36,7 +37,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
 FAIRNESS_TOLERANCE = 0.20
 STEADY_FROM = 0.5
-FRAME_BYTES = 1082      # an RDMA WRITE MIDDLE at the 1024-byte MTU, on the wire
+FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 
 

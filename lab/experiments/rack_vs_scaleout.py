@@ -1,0 +1,83 @@
+"""Flat ring over scale-out vs hierarchical all-reduce using the racks' scale-up links.
+
+The same all-reduce over every GPU of two racks, twice: a ring over the scale-out
+NICs only, then hierarchically: reduce-scatter inside each rack over the scale-up
+links (9x faster by default), a ring across the racks over scale-out on 1/g of
+the data, all-gather inside the rack. Each time is compared with the bandwidth
+term of the alpha-beta model (2(n-1)/n S/B per level), and so is their ratio.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab import allreduce
+from lab.errors import UsageError
+from lab.experiments.allreduce import model_time_s
+from lab.runner import Claim, RunContext
+
+NAME = "rack-vs-scaleout"
+DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"
+# Uplinks that carry a rack's four cross-rack rings even when ECMP hashes them all onto
+# one spine: this experiment is about scale-up vs scale-out, not about collisions (with
+# 10 or 20 Mb/s uplinks, colliding rings dropped and go-back-N resent thousands of packets)
+TOPOLOGY_DEFAULTS = {"rack": {"racks": 2, "gpus_per_rack": 4, "scaleout_rate_mbps": 10.0,
+                              "fabric_rate_mbps": 40.0, "rate_scale": 10000}}
+
+
+@dataclass
+class Params:
+    topology: str = "rack"
+    size_kb: int = 512           # per GPU
+    transport: str = "rc"
+    seed: int = 1
+
+    def validate(self) -> None:
+        if self.topology != "rack":
+            raise UsageError("rack-vs-scaleout needs topology=rack")
+        if self.size_kb <= 0:
+            raise UsageError("size_kb must be positive")
+        if self.transport not in allreduce.TRANSPORTS:
+            raise UsageError(f"transport must be one of {', '.join(allreduce.TRANSPORTS)}")
+
+
+def run(ctx: RunContext) -> dict:
+    p = ctx.params
+    hosts = ctx.fabric.hosts
+    n = len(hosts)
+    racks = len({h.rack for h in hosts})
+    out_mbps = hosts[0].interface().rate_mbps
+    up_mbps = hosts[0].interface("scale-up").rate_mbps
+    rng = np.random.default_rng(p.seed)
+    tensors = [rng.standard_normal(p.size_kb * 256).astype(np.float32) for _ in range(n)]
+    out = {"gpus": n, "racks": racks, "scaleout_mbps": out_mbps, "scaleup_mbps": up_mbps}
+    for algorithm in ("ring", "hier"):
+        ctx.progress(f"{algorithm} all-reduce of {p.size_kb} KB per GPU over {n} GPUs "
+                     f"in {racks} racks ({p.transport})")
+        m = allreduce.run(ctx.net, tensors, p.transport, algorithm=algorithm)
+        model = model_time_s(algorithm, n, m["size_bytes"], out_mbps, racks, up_mbps)
+        out[algorithm] = {"time_s": round(m["time_s"], 4), "model_time_s": round(model, 4),
+                          "over_model": round(m["time_s"] / model, 3),
+                          "busbw_mbps": round(m["busbw_mbps"], 2), "agree": m["agree"],
+                          "retransmitted_packets": m["retransmitted_packets"]}
+        out.setdefault("cpu_bound_hosts", []).extend(m["cpu_bound_hosts"])
+        ctx.progress(f"  {m['time_s'] * 1e3:.0f} ms (model {model * 1e3:.0f} ms)")
+    out["speedup"] = round(out["ring"]["time_s"] / out["hier"]["time_s"], 3)
+    out["model_speedup"] = round(out["ring"]["model_time_s"] / out["hier"]["model_time_s"], 3)
+    out["cpu_bound_hosts"] = sorted(set(out["cpu_bound_hosts"]))
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    return [
+        Claim("every GPU holds the mean, both algorithms",
+              m["ring"]["agree"] and m["hier"]["agree"],
+              {"ring": m["ring"]["agree"], "hier": m["hier"]["agree"]}, "both True"),
+        Claim("hierarchical (scale-up + scale-out) beats the flat scale-out ring",
+              m["speedup"] > 1.0, f"speedup {m['speedup']}",
+              f"> 1 (the model says {m['model_speedup']})"),
+        Claim("neither beats its model's bandwidth term",
+              all(m[a]["over_model"] >= 1.0 for a in ("ring", "hier")),
+              {a: m[a]["over_model"] for a in ("ring", "hier")}, "time / model >= 1"),
+    ]

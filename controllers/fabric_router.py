@@ -84,6 +84,14 @@ def logged(handler):
     return wrapper
 
 
+def link_is_up(switch: str, port: int) -> bool:
+    """The kernel's view of a switch port's veth (Mininet's naming: SWITCH-ethPORT)."""
+    try:
+        return Path(f"/sys/class/net/{switch}-eth{port}/operstate").read_text().strip() == "up"
+    except OSError:
+        return False
+
+
 def egress(parser, port: int) -> list:
     """Leave by `port`, through the egress table."""
     return [parser.OFPActionSetField(reg0=port), NXActionResubmitTable(table_id=EGRESS_TABLE)]
@@ -111,9 +119,9 @@ class FabricRouter(app_manager.OSKenApp):
         self.arp = arp_table(self.fabric)
         self.subnets = [(ipaddress.ip_network(c), c) for c in self.arp]
         self.by_dpid = {sw.dpid: sw.name for sw in self.fabric.switches}
+        self.by_name = {sw.name: sw for sw in self.fabric.switches}
         self.pending_barrier: set[int] = set()
         self.datapaths: dict[int, object] = {}
-        self.programmed: set[int] = set()
         self.down: set[tuple[str, int]] = set()     # (switch, port) of links that are down
         self.routing_file = Path(conf.fabric_file).with_name("routing.json")
 
@@ -138,13 +146,21 @@ class FabricRouter(app_manager.OSKenApp):
         ofp = msg.datapath.ofproto
         name = self.by_dpid.get(msg.datapath.id)
         key = (name, msg.desc.port_no)
-        # While the fabric is built, ports are added down and come up: the links
-        # the description lists are up from the start. Only later changes count.
-        if (name is None or msg.desc.port_no not in self.fabric.switch_ports(name)
-                or msg.reason != ofp.OFPPR_MODIFY or msg.datapath.id not in self.programmed):
+        # While the fabric is built, ports are added down and come up, and host
+        # interfaces are reconfigured: the lab writes routing.json once the fabric is
+        # up, and only changes after that, of links between switches, count (a host
+        # whose link is down has no other way in anyway).
+        peer = self.fabric.switch_ports(name).get(msg.desc.port_no) if name else None
+        if (peer is None or peer[0] not in self.by_name or msg.reason != ofp.OFPPR_MODIFY
+                or not self.routing_file.exists()):
             return
         down = bool(msg.desc.state & ofp.OFPPS_LINK_DOWN)
         if down == (key in self.down):
+            return
+        if down and link_is_up(name, msg.desc.port_no):
+            # seen under heavy load: OVS reported a link down that the kernel says is up
+            self.logger.warning("ignoring a link-down report for %s port %d: the kernel "
+                                "says the link is up", name, msg.desc.port_no)
             return
         (self.down.add if down else self.down.discard)(key)
         self.routing_event("link_down" if down else "link_up", name, msg.desc.port_no)
@@ -156,7 +172,6 @@ class FabricRouter(app_manager.OSKenApp):
         dpid = ev.msg.datapath.id
         if dpid in self.pending_barrier:
             self.pending_barrier.discard(dpid)
-            self.programmed.add(dpid)
             self.logger.info("programmed %s (dpid %d)", self.by_dpid[dpid], dpid)
             if self.status_file:
                 with open(self.status_file, "a") as f:
@@ -178,8 +193,8 @@ class FabricRouter(app_manager.OSKenApp):
     # --- rerouting ----------------------------------------------------------------------
     def reroute_delay_s(self) -> float:
         try:
-            return json.loads(self.routing_file.read_text()).get("reroute_delay_ms", 0) / 1000
-        except (FileNotFoundError, ValueError):
+            return json.loads(self.routing_file.read_text())["reroute_delay_ms"] / 1000
+        except (FileNotFoundError, ValueError, KeyError):
             return 0.0
 
     def reroute(self, delay_s: float) -> None:

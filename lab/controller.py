@@ -1,6 +1,7 @@
 """The controller process: started by the lab on loopback, stopped by PID."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -39,6 +40,7 @@ class Controller:
         self.fabric_file = self.workdir / "fabric.json"
         self.status_file = self.workdir / "controller.status"
         self.congestion_file = self.workdir / "congestion.json"
+        self.routing_file = self.workdir / "routing.json"     # read by fabric_router
         self.log_file = self.workdir / "logs" / "controller.log"
         self.proc: subprocess.Popen | None = None
 
@@ -87,6 +89,13 @@ class Controller:
                                f"({', '.join(missing[:5])}) within {timeout_s:.0f} s; "
                                f"see {self.log_file}")
             time.sleep(0.05)
+
+    def enable_rerouting(self, reroute_delay_ms: float = 0.0) -> None:
+        """From now on the controller routes around links that go down, after this
+        delay (the convergence time of the routing it stands for)."""
+        tmp = self.routing_file.with_name(".routing.json.tmp")
+        tmp.write_text(json.dumps({"reroute_delay_ms": reroute_delay_ms}))
+        tmp.replace(self.routing_file)
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:

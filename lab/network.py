@@ -93,6 +93,7 @@ class FabricNetwork:
         queues.apply(self.fabric, {h.name: h.pid for h in self.mininet.hosts},
                      self.queue_params)
         self.controller.wait_programmed(timeout_s=30 + 0.2 * len(self.fabric.switches))
+        self.controller.enable_rerouting()
         self.timings["ready_s"] = time.monotonic() - t0
 
     def stop(self) -> None:

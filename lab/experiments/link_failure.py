@@ -15,7 +15,6 @@ failure. Then the link comes back, and the routes with it, before the next varia
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import threading
 import time
@@ -140,8 +139,7 @@ def run(ctx: RunContext) -> dict:
     hosts = ctx.fabric.hosts
     src, dst = hosts[0].name, hosts[-1].name
     leaf = hosts[0].interface().switch
-    (ctx.workdir / "routing.json").write_text(json.dumps(
-        {"reroute_delay_ms": p.reroute_delay_ms}))
+    ctx.net.controller.enable_rerouting(p.reroute_delay_ms)
     out = {"src": src, "dst": dst}
     with GpuAgents(ctx.net, hosts=[src, dst]) as gpus:
         for transport in ("rc", "mrc"):

@@ -163,7 +163,7 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
                   "--set", "flow_kb=150", "--set", "variants=none,ecn,pfc",
                   "--set", "none_time_limit_s=3", "--capture", "g1", "--out", str(out),
                   timeout=400)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
     mx = m["metrics"]
     assert mx["none"]["drops_packets"] > 0, r.stdout
@@ -206,7 +206,7 @@ def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):
     out = tmp_path / "spread"
     r = fabriclab("run", "pfc-spreading", "--set", "incast_kb=150", "--set", "victim_kb=700",
                   "--out", str(out), timeout=400)
-    assert r.returncode in (0, 1), r.stdout + r.stderr     # 1: a claim failed; checked below
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
     claims = {c["name"]: c["passed"] for c in m["claims"]}
     assert all(passed for name, passed in claims.items() if name.startswith("pfc")), r.stdout

@@ -9,7 +9,7 @@ def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path)
     r = fabriclab("run", "training-step", "--set", "steps=3", "--set", "grad_kb=64",
                   "--set", "compute_ms=100", "--set", "variants=clean,incast",
                   "--out", str(out), timeout=600)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     clean, incast = m["clean"], m["incast"]
     assert clean["all_correct"] and incast["all_correct"], r.stdout
@@ -39,7 +39,7 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path):
     out = tmp_path / "lf"
     r = fabriclab("run", "link-failure", "--set", "flow_kb=900", "--set", "fail_after_s=0.4",
                   "--set", "reroute_delay_ms=800", "--out", str(out), timeout=600)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     rc, mrc = m["rc"], m["mrc"]
     assert rc["intact"] and mrc["intact"], r.stdout
@@ -53,7 +53,7 @@ def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):
     out = tmp_path / "rack"
     r = fabriclab("run", "rack-vs-scaleout", "--set", "size_kb=128", "--out", str(out),
                   timeout=600)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     for algorithm in ("ring", "hier"):
         assert m[algorithm]["agree"], r.stdout

@@ -92,7 +92,8 @@ class FabricNetwork:
         self.timings["build_s"] = time.monotonic() - t0
         queues.apply(self.fabric, {h.name: h.pid for h in self.mininet.hosts},
                      self.queue_params)
-        self.controller.wait_programmed(timeout_s=30 + 0.2 * len(self.fabric.switches))
+        # generous: under a software CPU (the lab VM) a switch may take half a minute
+        self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
         self.controller.enable_rerouting()
         self.timings["ready_s"] = time.monotonic() - t0
 

@@ -1,7 +1,6 @@
 """Congestion on real kernel queues: per-priority classes, PFC gates, ECN marking,
 telemetry, captures; the incast and pfc-spreading experiments at small size."""
 import json
-import re
 import socket
 import subprocess
 import time
@@ -104,22 +103,26 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path):
             assert time.monotonic() < deadline, "the leaf did not close its gate"
             time.sleep(0.01)
         # full-size frames: the closed gate lets one burst (1600 bytes) through
-        held = net.mininet["g0"].popen(["ping", "-c", "8", "-w", "10", "-s", "1000", "-i", "0.05", "-Q",
+        held = net.mininet["g0"].popen(["ping", "-c", "8", "-s", "1000", "-i", "0.05", "-Q",
                                         str(DSCP_TOS[PRIORITY_ROCE_DATA]), g1.ip],
-                                       stdout=subprocess.PIPE, text=True)
+                                       stdout=subprocess.DEVNULL)
         assert " 0% packet loss" in _ping(net, "g0", "g1", 0, count=5)   # priority 0 flows
         time.sleep(0.2)
         gate = _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)
         top = fabriclab("top", "--count", "1", "--interval", "0.3")
         state = read_state(net)
         net.mininet["g1"].cmd(send + pause.pfc_frame(g1.mac, {PRIORITY_ROCE_DATA: 0}).hex())
-        out, _ = held.communicate(timeout=10)
+        deadline = time.monotonic() + 2
+        while (released := _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)).qlen:
+            assert time.monotonic() < deadline, "the resume did not release the queue"
+            time.sleep(0.01)
+        held.terminate()
+        held.wait()
         time.sleep(0.2)
         after = read_state(net)
     assert gate.qlen >= 3 and gate.drops == 0 and gate.packets <= 2   # held, not dropped
-    # ...and delivered after the resume: every echo answered, the held ones late
-    assert re.search(r"\b8 received", out), out
-    assert float(re.search(r"= [\d.]+/[\d.]+/([\d.]+)/", out)[1]) > 200, out
+    # ...and sent on after the resume, none lost
+    assert released.packets - gate.packets >= gate.qlen and released.drops == 0
     assert f"{g1.switch}:{g1.port}:{PRIORITY_ROCE_DATA}" in top.stdout and "PAUSED" in top.stdout
     wd = state["watchdog"]
     assert wd and wd[0]["device"] == g1.switch and wd[0]["port"] == g1.port

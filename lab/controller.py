@@ -74,21 +74,34 @@ class Controller:
         raise LabError(f"the controller did not listen on 127.0.0.1:{self.port} within "
                        f"{timeout_s:.0f} s; see {self.log_file}")
 
-    def wait_programmed(self, timeout_s: float) -> None:
-        """Wait until the controller has programmed every switch (barrier-confirmed)."""
+    def wait_programmed(self, timeout_s: float, reconnect_after_s: float = 20.0) -> None:
+        """Wait until the controller has programmed every switch (barrier-confirmed).
+        A switch still missing after `reconnect_after_s` is made to reconnect, once: under
+        a software CPU (the lab VM) a handshake was seen to stall for good."""
         want = {sw.dpid for sw in self.fabric.switches}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        reconnected = False
         while True:
             self._check_alive()
             done = {int(x) for x in self.status_file.read_text().split()}
             if want <= done:
                 return
+            missing = sorted(sw.name for sw in self.fabric.switches if sw.dpid not in done)
+            if not reconnected and time.monotonic() > start + reconnect_after_s:
+                self.reconnect(missing)
+                reconnected = True
             if time.monotonic() > deadline:
-                missing = sorted(sw.name for sw in self.fabric.switches if sw.dpid not in done)
                 raise LabError(f"the controller did not program {len(missing)} switch(es) "
                                f"({', '.join(missing[:5])}) within {timeout_s:.0f} s; "
                                f"see {self.log_file}")
             time.sleep(0.05)
+
+    def reconnect(self, switches: list[str]) -> None:
+        target = f"tcp:127.0.0.1:{self.port}"
+        for name in switches:
+            subprocess.run(["ovs-vsctl", "del-controller", name], capture_output=True)
+            subprocess.run(["ovs-vsctl", "set-controller", name, target], capture_output=True)
 
     def enable_rerouting(self, reroute_delay_ms: float = 0.0) -> None:
         """From now on the controller routes around links that go down, after this

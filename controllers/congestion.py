@@ -358,9 +358,11 @@ class CongestionControl(app_manager.OSKenApp):
         q = self.config.queues
         limit = q.host_buffer_bytes(prio) if port.netns_pid else q.buffer_bytes(prio)
         nl = port.nl or self.gate_nl
+        paused = rate_bytes_s == queues.PAUSED_RATE_BYTES_S
+        burst = queues.GATE_BURST_BYTES if paused else queues.gate_burst_bytes(port.rate_mbps)
         seq = nl.set_tbf(port.ifindex, tcnl.handle(1, queues.class_minor(prio)),
                          tcnl.handle(queues.gate_major(prio)), rate_bytes_s,
-                         queues.GATE_BURST_BYTES, limit, wait=self.unacked is None)
+                         burst, limit, wait=self.unacked is None)
         if self.unacked is not None:
             self.unacked.append((nl, seq))
 

@@ -111,6 +111,13 @@ def gate_rate_bytes_s(rate_mbps: float) -> int:
     return int(rate_mbps * 1e6 / 8)
 
 
+def gate_burst_bytes(rate_mbps: float) -> int:
+    """An open gate's bucket: one frame, or a millisecond at the link rate if more (a
+    tbf with a bucket under a timer tick's worth of bytes falls short of its rate:
+    measured, iperf3 through 100 Mb/s gates at 1600 bytes made 82 Mb/s, not 95)."""
+    return max(GATE_BURST_BYTES, gate_rate_bytes_s(rate_mbps) // 1000)
+
+
 # --- configuration --------------------------------------------------------------------
 def port_commands(intf: str, rate_mbps: float, q: QueueParams,
                          host: bool = False) -> list[str]:
@@ -132,7 +139,8 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
             f"class replace dev {intf} parent 1:1 classid 1:{minor:x} htb rate {rate:.3f}mbit "
             f"ceil {rate_mbps}mbit prio {order.get(prio, 2)}",
             f"qdisc replace dev {intf} parent 1:{minor:x} handle {gate:x}: tbf "
-            f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {GATE_BURST_BYTES} limit {limit}",
+            f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {gate_burst_bytes(rate_mbps)} "
+            f"limit {limit}",
         ]
         if q.red is not None and prio == PRIORITY_ROCE_DATA and not host:
             lines.append(roce_queue_command(intf, rate_mbps, q))

@@ -16,7 +16,7 @@ from lab.telemetry import QueueTelemetry
 from topologies.fabric import Fabric
 from topologies.registry import build_topo
 from traffic import pause
-from traffic.constants import MAC_CONTROL_OPCODE_PAUSE, PRIORITY_CNP, PRIORITY_ROCE_DATA
+from traffic.constants import PRIORITY_CNP, PRIORITY_ROCE_DATA
 from traffic.packets import pause_8023x, pfc_pause, pfc_resume
 from traffic.samples import WIRESHARK_LUA
 
@@ -39,7 +39,6 @@ def test_8023x_pause_means_every_priority_and_junk_is_refused():
     bad_opcode = bytearray(pause.pfc_frame("02:00:00:00:00:01", {3: 1}))
     bad_opcode[14:16] = (0x0777).to_bytes(2, "big")
     assert pause.parse(bytes(bad_opcode)) is None
-    assert MAC_CONTROL_OPCODE_PAUSE == 1
 
 
 def test_congestion_params_say_what_is_wrong():

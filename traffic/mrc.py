@@ -7,7 +7,8 @@ VA in the RETH; immediate = message id << 16 | packets in the message), sent on
 an entropy value (EV: the UDP source port) of its own, so the fabric's ECMP
 spreads one QP over every path. The receiver places packets as they come, in
 any order, and answers each with a selective ACK (cumulative PSN + 64-bit
-bitmap, the EV it came on, an ECN echo, and a credit: how far the sender may go).
+bitmap, the EV it came on, an ECN echo, and a credit: how far the sender may go),
+sent back on that same EV so that the SACKs are sprayed too.
 
 Sender: a packet is lost once `reorder_packets` packets sent after it were
 acknowledged, or when its retransmit timer fires; only lost packets are resent,
@@ -291,7 +292,9 @@ class MrcQP(QueuePair):
             else self.params.credit_packets
         credit = (self.rcv_cum + grant) & 0xFFFFFF
         self.counters.acks_sent += 1
-        return self.ctrl_framer.frame(self.sport, Opcode.MRC_SACK, self.remote_qpn,
+        # on the EV the answered packet came on: SACKs spread over the paths as the data
+        # does, so one dead path cannot take every SACK (a fixed port would pin them all)
+        return self.ctrl_framer.frame(p.sport, Opcode.MRC_SACK, self.remote_qpn,
                                       self.rcv_cum, ext=_SACKX.pack(bitmap, p.sport, flags, 0,
                                                                      credit))
 

@@ -274,8 +274,9 @@ def mrc_sack(cum_psn: int, *, dst_qp: int, ev: int, credit_psn: int,
 
     What arrived beyond it is given as `received_psns` or as a ready `bitmap`, one
     of the two. `ev` and `ecn_echo` describe the data packet this SACK answers.
-    The SACK goes out on endpoints.src_port, a fixed port: spraying it would gain
-    nothing. PSNs are taken mod 2**24.
+    The SACK goes back on that same EV (its UDP source port is `ev`), so SACKs are
+    sprayed like the data and a dead path cannot take them all. PSNs are taken
+    mod 2**24.
     """
     if (received_psns is None) == (bitmap is None):
         raise ValueError("give either received_psns or bitmap")
@@ -284,7 +285,7 @@ def mrc_sack(cum_psn: int, *, dst_qp: int, ev: int, credit_psn: int,
     elif not 0 <= bitmap < 1 << MRC_SACK_BITMAP_BITS:
         raise ValueError(f"the SACK bitmap has {MRC_SACK_BITMAP_BITS} bits, got {bitmap:#x}")
     # Like ACKs: in the data class so as not to pass the data, and not ECN-capable.
-    return (_roce_udp(endpoints, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+    return (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.NOT_ECT)
             / BTH(opcode=Opcode.MRC_SACK, dqpn=dst_qp, psn=cum_psn % PSN_MODULUS)
             / MrcSack(bitmap=bitmap, ev=ev, flags=MRC_SACK_FLAG_ECN_ECHO if ecn_echo else 0,
                       credit_psn=credit_psn % PSN_MODULUS))

@@ -20,6 +20,8 @@ import argparse
 import base64
 import dataclasses
 import json
+import os
+import select
 import sys
 import time
 
@@ -175,8 +177,6 @@ class Agent:
 
         ok = drive(nics, done, timeout_s)
         elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
-        # linger briefly so the peers' last ACKs/SACKs we owe them go out
-        drive(nics, lambda: False, 0.02)
         counters, evs = {}, {}
         for net, nic in self.nics.items():
             prefix = "" if net == "scale-out" else "up:"
@@ -193,9 +193,33 @@ class Agent:
                   **algo.report(op))
         self.pending = None
 
+    def commands(self):
+        """Command lines from stdin. While none is there the NICs keep running, as a
+        NIC does for its QPs: a peer whose last ACK was lost retransmits after this
+        side is done, and must still get its answer (else it waits out its timeout)."""
+        fd, buf = sys.stdin.fileno(), b""
+        nics = list(self.nics.values())
+
+        def command_waiting() -> bool:
+            for nic in nics:            # nobody collects events between collectives
+                for qp in nic.qps.values():
+                    qp.events.clear()
+            return bool(select.select([fd], [], [], 0)[0])
+
+        while True:
+            while b"\n" not in buf:
+                drive(nics, command_waiting, float("inf"), wake_fds=(fd,))
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return
+                buf += chunk
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield line
+
     def serve(self) -> None:
         self.emit(event="hello", ip=self.addr["scale-out"][1])
-        for line in sys.stdin:
+        for line in self.commands():
             cmd = json.loads(line)
             try:
                 if cmd["cmd"] == "prepare":

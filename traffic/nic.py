@@ -219,12 +219,13 @@ class Nic:
         return wake
 
 
-def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float) -> bool:
-    """Run a host's NICs until done() or the timeout; returns done()."""
+def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float,
+          wake_fds: tuple[int, ...] = ()) -> bool:
+    """Run a host's NICs until done() or the timeout; returns done(). Input on
+    `wake_fds` wakes the loop (to check done() at once) without being read."""
     poller = select.poll()
-    for nic in nics:
-        for fd in nic.wire.filenos():
-            poller.register(fd, select.POLLIN)
+    for fd in [fd for nic in nics for fd in nic.wire.filenos()] + list(wake_fds):
+        poller.register(fd, select.POLLIN)
     end = time.monotonic() + timeout_s
     while not done():
         now = time.monotonic()

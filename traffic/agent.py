@@ -194,21 +194,24 @@ class Agent:
         self.pending = None
 
     def commands(self):
-        """Command lines from stdin. While none is there the NICs keep running, as a
-        NIC does for its QPs: a peer whose last ACK was lost retransmits after this
-        side is done, and must still get its answer (else it waits out its timeout)."""
+        """Command lines from stdin. After a collective, while no command is there,
+        the NICs keep running, as a NIC does for its QPs: a peer whose last ACK was
+        lost retransmits after this side is done, and must still get its answer
+        (else it waits out its timeout). Between prepare and start they do not: what
+        a faster peer sends waits in the socket for the collective to take it."""
         fd, buf = sys.stdin.fileno(), b""
         nics = list(self.nics.values())
 
         def command_waiting() -> bool:
-            for nic in nics:            # nobody collects events between collectives
+            for nic in nics:            # nobody collects a finished collective's events
                 for qp in nic.qps.values():
                     qp.events.clear()
             return bool(select.select([fd], [], [], 0)[0])
 
         while True:
             while b"\n" not in buf:
-                drive(nics, command_waiting, float("inf"), wake_fds=(fd,))
+                if self.pending is None:
+                    drive(nics, command_waiting, float("inf"), wake_fds=(fd,))
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     return

@@ -18,5 +18,6 @@ setup(
         "matplotlib>=3.6",
     ],
     extras_require={"test": ["pytest>=7"]},
-    entry_points={"console_scripts": ["fabriclab = lab.cli:main"]},
+    entry_points={"console_scripts": ["fabriclab = lab.cli:main"],
+                  "pytest11": ["fabriclab = lab.pytest_plugin"]},   # the fabric_lab fixture
 )

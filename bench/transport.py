@@ -7,9 +7,10 @@
   3. the highest link rate at which the GPU hosts keep up (goodput >= 80% of the
      line, sender below 90% CPU): emulation is only faithful below it.
 
-A 1 KB RoCE MTU carries 1024 payload bytes in a 1098-byte frame (93%), TCP's
-1448-byte MSS 95.6% of a 1514-byte frame: on the same link RoCE's goodput can
-reach 0.98 of TCP's, not 1.0; the table prints that ceiling too.
+A 1 KB RoCE MTU carries 1024 payload bytes in a 1102-byte MRC frame (92.9%; RC's
+middle packets 1082, 94.6%), TCP's 1448-byte MSS 95.6% of a 1514-byte frame: on
+the same link RoCE's goodput can reach 0.97-0.99 of TCP's, not 1.0; the table
+prints that ceiling too.
 
     sudo .venv/bin/python bench/transport.py [--rate-mbps 100] [--sweep 100,200,400,800]
 """
@@ -24,12 +25,13 @@ from lab.gpus import GpuAgents, iperf3_tcp
 from lab.network import FabricNetwork
 from lab.state import RunLock
 from topologies.registry import build_topo
-from traffic.constants import DEFAULT_MTU_BYTES
+from traffic.constants import DEFAULT_MTU_BYTES, IMMDT_BYTES, RETH_BYTES
+from traffic.roce import WRITE_OVERHEAD_BYTES
 
 MAX_MESSAGE_BYTES = 60_000_000     # one MRC message: at most 65535 packets of 1 KB
 KEEPS_UP_FRACTION = 0.8
-ROCE_FRAME_BYTES = 14 + 20 + 8 + 12 + 16 + 4 + 4     # Ether IP UDP BTH RETH ImmDt ICRC
-PAYLOAD_CEILING = DEFAULT_MTU_BYTES / (DEFAULT_MTU_BYTES + ROCE_FRAME_BYTES)
+MRC_OVERHEAD_BYTES = WRITE_OVERHEAD_BYTES + RETH_BYTES + IMMDT_BYTES   # every MRC packet's
+PAYLOAD_CEILING = DEFAULT_MTU_BYTES / (DEFAULT_MTU_BYTES + MRC_OVERHEAD_BYTES)
 
 BARE_SENDER = """
 import json, socket, sys, time, errno

@@ -32,11 +32,12 @@ def nccl_figures(size_bytes: int, n: int, time_s: float) -> dict:
 
 
 def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
-        mean: bool = True, algorithm: str = "ring") -> dict:
-    """All-reduce `tensors` (one per GPU host, in host order) and check every result."""
+        mean: bool = True, algorithm: str = "ring", first_collective_id: int = 1) -> dict:
+    """All-reduce `tensors` (one per GPU host, in host order) and check every result.
+    One value per host (the teaching example): "per_host" says what each gave and holds."""
     n = len(tensors)
     hosts = [h.name for h in net.fabric.hosts[:n]]
-    with GpuAgents(net, hosts) as gpus:
+    with GpuAgents(net, hosts, first_collective_id=first_collective_id) as gpus:
         res = gpus.allreduce(tensors, transport, op="mean" if mean else "sum",
                              algorithm=algorithm)
         cpu_bound = gpus.cpu_bound()
@@ -50,8 +51,11 @@ def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
                for c in per_host.values())
     link_mbps = net.fabric.hosts[0].interface().rate_mbps
     figures = nccl_figures(tensors[0].nbytes, n, res.time_s)
+    per_host = {h: {"gave": float(t[0]), "holds": round(float(r[0]), 6)}
+                for h, t, r in zip(hosts, tensors, results)} \
+        if all(t.size == 1 for t in tensors) else None
     return {
-        "hosts": hosts, "transport": transport, "algorithm": algorithm, "n": n,
+        "hosts": hosts, "per_host": per_host, "transport": transport, "algorithm": algorithm, "n": n,
         "results": results, "expected": expected,
         "max_abs_error": max(errors), "tolerance": tol,
         "agree": all(e <= tol for e in errors), "per_host_error": errors,

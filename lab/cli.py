@@ -140,6 +140,31 @@ def cmd_run(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def cmd_tour(args) -> int:
+    import time
+
+    from lab import tour
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f} s] {msg}", flush=True)
+    out, done = tour.run(args.out, args.only, progress)
+    failed = [r for r in done if r.error]
+    claims = [c for r in done for c in r.claims]
+    held = sum(c["passed"] for c in claims)
+    print(f"tour: {len(done) - len(failed)}/{len(done)} chapters ran, {held}/{len(claims)} "
+          f"claims hold, {(time.monotonic() - t0) / 60:.1f} min")
+    for r in done:
+        for c in r.claims:
+            if not c["passed"]:
+                print(f"  [FAIL] {r.chapter.experiment}: {c['name']}: measured "
+                      f"{c['measured']}, expected {c['expected']}")
+    print(f"report: {out / 'index.html'} (and index.md)")
+    if failed:
+        return 1
+    return 1 if args.strict and held < len(claims) else 0
+
+
 def cmd_top(args) -> int:
     import time
 
@@ -291,6 +316,14 @@ def build_parser() -> Parser:
                    help="print the hottest queues every second while it runs")
     add_runtime_arg(r)
     r.set_defaults(func=cmd_run)
+    tr = sub.add_parser("tour", help="the lab's story, experiment by experiment, in one report "
+                                     "(results/tour-TIME/index.html)")
+    tr.add_argument("--out", type=Path, help="results directory")
+    tr.add_argument("--only", type=lambda v: [x for x in v.split(",") if x], metavar="CHAPTERS",
+                    help="chapters to run, by number or experiment (comma-separated)")
+    tr.add_argument("--strict", action="store_true",
+                    help="exit 1 when a claim fails (by default only when a chapter cannot run)")
+    tr.set_defaults(func=cmd_tour)
     t = sub.add_parser("top", help="the lab's hottest switch queues, live (any running fabric)")
     t.add_argument("--interval", type=float, default=0.5, metavar="S")
     t.add_argument("--count", type=int, default=0, help="stop after this many screens")

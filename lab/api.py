@@ -1,0 +1,228 @@
+"""The lab as a Python library, for your own experiments.
+
+    from lab.api import Lab
+
+    with Lab("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2, out="results/mine") as lab:
+        r = lab.allreduce([0.7, 0.9, 0.6, 0.8])          # one value per GPU host
+        lab.check("every host holds 0.75", r["agree"], r["per_host"], "0.75")
+        lab.congestion(ecn="auto")                        # ECN marking on every switch port
+        flows = lab.incast("g0", 200_000)                 # every other host sends 200 KB to g0
+        lab.record("incast", {"drops": lab.drops(), "ce_marks": lab.ce_marks()})
+    # out/ now holds metrics.json, queues.csv, report.md and report.html
+
+A Lab is one fabric (Mininet + OVS + the os-ken controller, queues on every port)
+with queue telemetry running from start to end. Traffic methods start the GPU
+agents, run one collective on real RoCE v2 packets and return what it measured.
+`check` records a claim; the report shows the claims, what you `record`ed, and
+the same plots an experiment gets. Nothing outlives the `with` block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from lab import allreduce as allreduce_mod
+from lab import report
+from lab.congestion import CongestionParams, read_state, set_congestion
+from lab.errors import LabError
+from lab.gpus import GpuAgents
+from lab.network import FabricNetwork
+from lab.queues import QueueParams
+from lab.runner import TELEMETRY_INTERVAL_MS, Claim, busiest, write_json_atomic
+from lab.state import RunLock
+from lab.telemetry import QueueTelemetry
+from topologies.base import ParamError
+from topologies.registry import build_topo
+
+# A later set of agents starts its collective ids past the earlier ones', so a late
+# packet of an earlier collective never lands on a new QP (agent.qpn_for).
+COLLECTIVE_IDS_PER_CALL = 8
+
+
+class Lab:
+    def __init__(self, topology: str = "leaf-spine", out: str | Path | None = None,
+                 queues: QueueParams | None = None, progress: Callable[[str], None] | None = None,
+                 name: str = "script", **topology_params):
+        """topology: leaf-spine | rack | fat-tree, shaped by topology_params (e.g.
+        spines=2, hosts_per_leaf=4, host_rate_mbps=100); out: where the results and the
+        report go (default: a temporary directory, removed at the end)."""
+        try:
+            self.topo = build_topo(topology, **topology_params)
+        except ParamError as e:
+            raise LabError(str(e)) from None
+        self.name, self.topology = name, topology
+        self.queues = queues or QueueParams()
+        self.progress = progress or (lambda msg: None)
+        self.out = Path(out) if out else None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.workdir: Path | None = self.out
+        self.claims: list[Claim] = []
+        self.metrics: dict[str, Any] = {}
+        self.warnings: list[str] = []
+        self.net: FabricNetwork | None = None
+        self.telemetry: QueueTelemetry | None = None
+        self._lock = RunLock(f"lab.api {name}")
+        self._next_collective = 1
+        self._t0 = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def __enter__(self) -> "Lab":
+        self._t0 = time.monotonic()
+        self._lock.__enter__()
+        if self.out is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fabriclab-")
+            self.workdir = Path(self._tmp.name)
+        try:
+            self.net = FabricNetwork(self.topo, self.workdir, self.queues,
+                                     progress=self.progress).__enter__()
+            state = self.net.controller.congestion_file.with_name("congestion-state.json")
+            self.telemetry = QueueTelemetry(self.topo.fabric, self.workdir / "queues.csv",
+                                            TELEMETRY_INTERVAL_MS, controller_state=state)
+            self.telemetry.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.telemetry is not None:
+                self.telemetry.stop()
+                self.metrics["telemetry"] = {
+                    "csv": "queues.csv", "sampling": self.telemetry.sampling(),
+                    "busiest_queues": busiest(self.telemetry.summary())}
+            if self.net is not None:
+                self.net.__exit__(*exc)
+            if self.net is not None and self.out is not None:
+                self.write_report()
+        finally:
+            self._lock.__exit__(*exc)
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+    # --- the fabric ---------------------------------------------------------------------
+    @property
+    def fabric(self):
+        """The fabric's description: hosts, switches, links, addresses (topologies/fabric.py)."""
+        return self.topo.fabric
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.name for h in self.fabric.hosts]
+
+    def _agents(self, hosts: list[str] | None = None) -> GpuAgents:
+        if self.net is None:
+            raise LabError("the lab is not running: use it inside `with Lab(...) as lab:`")
+        agents = GpuAgents(self.net, hosts, first_collective_id=self._next_collective)
+        self._next_collective += COLLECTIVE_IDS_PER_CALL
+        return agents
+
+    def _note_cpu(self, busy: list[str]) -> None:
+        if busy:
+            self.warnings.append(f"hosts {', '.join(busy)} were CPU-bound: timings there are "
+                                 f"not faithful; lower the link rates")
+
+    # --- traffic ------------------------------------------------------------------------
+    def allreduce(self, values: list[float] | list[np.ndarray], transport: str = "rc",
+                  algorithm: str = "ring") -> dict:
+        """All-reduce (mean) one value or tensor per GPU host, in host order; every
+        result is checked against numpy. Returns time, nccl-tests figures, "agree",
+        and "per_host": what each host gave and holds (for scalar values)."""
+        tensors = [np.atleast_1d(np.asarray(v, np.float32)) for v in values]
+        if len(tensors) > len(self.hosts):
+            raise LabError(f"{len(tensors)} values but the fabric has {len(self.hosts)} "
+                           f"GPU hosts")
+        if self.net is None:
+            raise LabError("the lab is not running: use it inside `with Lab(...) as lab:`")
+        m = allreduce_mod.run(self.net, tensors, transport, algorithm=algorithm,
+                              first_collective_id=self._next_collective)
+        self._next_collective += COLLECTIVE_IDS_PER_CALL
+        self._note_cpu(m["cpu_bound_hosts"])
+        return m
+
+    def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
+                  params: dict | None = None, timeout_s: float = 120.0) -> list[dict]:
+        """One message per (src, dst, bytes), all at once. Per flow: completion_s,
+        intact (the receiver's CRC-32 matches the sender's), counters, rate samples."""
+        with self._agents() as agents:
+            out = agents.transfers(flows, transport, params, timeout_s)
+            self._note_cpu(agents.cpu_bound())
+        return out
+
+    def incast(self, root: str, nbytes: int, transport: str = "rc",
+               params: dict | None = None) -> list[dict]:
+        """Every other GPU host sends `nbytes` to `root` at once."""
+        return self.transfers([(h, root, nbytes) for h in self.hosts if h != root],
+                              transport, params)
+
+    def alltoall(self, nbytes: int, transport: str = "rc",
+                 params: dict | None = None) -> list[dict]:
+        """Every GPU host sends `nbytes` to every other at once."""
+        return self.transfers([(a, b, nbytes) for a in self.hosts for b in self.hosts
+                               if a != b], transport, params)
+
+    # --- congestion ---------------------------------------------------------------------
+    def congestion(self, **settings) -> str:
+        """ECN and PFC on every switch port, e.g. congestion(ecn="auto", pfc=True,
+        xoff_kb=8); the fields of lab.congestion.CongestionParams. Returns the ECN
+        mode in use (auto -> red where the kernel has sch_red, else controller)."""
+        if self.net is None:
+            raise LabError("the lab is not running: use it inside `with Lab(...) as lab:`")
+        fields = {f.name for f in dataclasses.fields(CongestionParams)}
+        unknown = set(settings) - fields
+        if unknown:
+            raise LabError(f"unknown congestion setting(s) {sorted(unknown)}; "
+                           f"known: {', '.join(sorted(fields))}")
+        return set_congestion(self.net, CongestionParams(**settings))
+
+    # --- measurements -------------------------------------------------------------------
+    def queue_stats(self, since: float = 0.0) -> dict[str, dict]:
+        """Per "switch:port:priority" that carried traffic since `since` (time.time()):
+        packets sent, drops, CE marks, backlog p50/p99/max, time paused."""
+        return self.telemetry.summary(since) if self.telemetry else {}
+
+    def drops(self, since: float = 0.0) -> int:
+        """Packets the switch queues dropped (kernel counters)."""
+        return sum(q["drops_packets"] for q in self.queue_stats(since).values())
+
+    def ce_marks(self, since: float = 0.0) -> int:
+        """Packets marked CE by the switch queues (kernel RED or the controller)."""
+        return sum(q["ce_marked_packets"] for q in self.queue_stats(since).values())
+
+    def pfc_counters(self) -> dict:
+        """The controller's PFC and ECN counters per switch port and priority."""
+        return read_state(self.net).get("counters", {}) if self.net else {}
+
+    # --- claims and the report ----------------------------------------------------------
+    def record(self, section: str, values: dict) -> None:
+        """Keep measurements for the report (a section = a row of its table)."""
+        self.metrics[section] = values
+
+    def check(self, name: str, passed: bool, measured: Any, expected: str) -> bool:
+        """A claim checked from a measurement; shown with its verdict in the report."""
+        self.claims.append(Claim(name, bool(passed), measured, expected))
+        return bool(passed)
+
+    def write_report(self) -> Path:
+        """metrics.json, report.md and report.html in the lab's directory."""
+        params = dataclasses.asdict(self.topo.params)
+        result = {
+            "experiment": self.name, "params": {}, "topology": {"kind": self.topology, **params},
+            "rate_scale": {"factor": self.topo.params.rate_scale,
+                           "meaning": f"1 emulated Mb/s stands for "
+                                      f"{self.topo.params.rate_scale} real Mb/s"},
+            "datapath": self.net.datapath if self.net else None,
+            "metrics": self.metrics,
+            "claims": [dataclasses.asdict(c) for c in self.claims],
+            "passed": all(c.passed for c in self.claims),
+            "warnings": self.warnings,
+            "timings_s": {"total_s": time.monotonic() - self._t0},
+        }
+        write_json_atomic(self.workdir / "metrics.json", result)
+        report.write(self.workdir, result)
+        return self.workdir / "report.html"

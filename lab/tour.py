@@ -1,0 +1,178 @@
+"""`fabriclab tour`: the lab's story in order, one experiment per chapter.
+
+Each chapter is an ordinary experiment run (its own results directory, report
+and claims); the tour adds the order, a sentence on what each chapter shows,
+and one index (index.html, index.md, tour.json) that links the chapters'
+reports. A chapter that cannot run is reported and the tour goes on.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lab import runner
+from lab.errors import LabError
+
+RESULTS_DIR = runner.RESULTS_DIR
+
+
+@dataclass(frozen=True)
+class Chapter:
+    title: str
+    experiment: str
+    settings: tuple[str, ...]
+    story: str                       # what the chapter shows, for the index
+
+
+CHAPTERS = (
+    Chapter("Four GPUs agree on 0.75", "allreduce",
+            ("values=0.7,0.9,0.6,0.8", "leaves=2", "hosts_per_leaf=2"),
+            "Each GPU host gives one number; a ring all-reduce over RoCE v2 packets through "
+            "the leaf-spine fabric leaves every host holding their mean. This exchange ends "
+            "every training step: until it is done, no GPU can go on."),
+    Chapter("A training step: compute, then wait on the network", "training-step",
+            ("steps=4",),
+            "GPUs loop compute + all-reduce. On a clean fabric they already wait part of each "
+            "step; background incast into one GPU raises the idle fraction, ECN removes the "
+            "losses, spraying (MRC) shortens the wait."),
+    Chapter("Incast jams a port: drops, then ECN, then PFC", "incast", (),
+            "Eight hosts send to one. Without control the port's queue overflows and RC's "
+            "go-back-N collapses; ECN marks + DCQCN share the port fairly with a short queue; "
+            "PFC pauses the senders and nothing is dropped."),
+    Chapter("PFC spreads: a victim that shares no port with the incast", "pfc-spreading", (),
+            "Pause frames travel upstream hop by hop and stop a flow that only shares a "
+            "switch with the incast; ECN slows only the flows that cause the congestion."),
+    Chapter("ECMP collisions vs spraying", "ecmp-vs-spray", (),
+            "RC pins each QP to one path (its UDP source port), so flows collide on some "
+            "spines while others idle; MRC sprays every packet and loads every spine evenly."),
+    Chapter("Loss recovery: go-back-N vs selective repeat", "loss-recovery", (),
+            "With random loss on one link, RC resends everything after a hole, MRC resends "
+            "only what was lost."),
+    Chapter("A spine uplink fails", "link-failure", (),
+            "RC's pinned QP stalls until the controller reroutes; MRC retires the dead entropy "
+            "value and keeps going."),
+    Chapter("Rack vs scale-out", "rack-vs-scaleout", (),
+            "A hierarchical all-reduce uses the rack's fast scale-up links first and sends "
+            "only a share over the slower scale-out NICs; a flat ring sends it all there."),
+)
+
+
+@dataclass
+class ChapterResult:
+    chapter: Chapter
+    workdir: Path
+    seconds: float
+    result: dict | None = None
+    error: str | None = None
+
+    @property
+    def claims(self) -> list[dict]:
+        return self.result["claims"] if self.result else []
+
+    def as_dict(self) -> dict:
+        return {"title": self.chapter.title, "experiment": self.chapter.experiment,
+                "settings": list(self.chapter.settings), "dir": self.workdir.name,
+                "seconds": round(self.seconds, 1), "error": self.error,
+                "claims": self.claims,
+                "warnings": self.result.get("warnings", []) if self.result else []}
+
+
+def select(only: list[str] | None) -> tuple[Chapter, ...]:
+    """The chapters named (by number from 1 or by experiment), or all."""
+    if not only:
+        return CHAPTERS
+    chosen = []
+    for key in only:
+        match = [c for i, c in enumerate(CHAPTERS, 1) if key in (str(i), c.experiment)]
+        if not match:
+            names = ", ".join(f"{i} {c.experiment}" for i, c in enumerate(CHAPTERS, 1))
+            raise LabError(f"no tour chapter {key!r}; the chapters are: {names}")
+        chosen += [c for c in match if c not in chosen]
+    return tuple(chosen)
+
+
+def run(out: Path | None = None, only: list[str] | None = None,
+        progress: Callable[[str], None] = print) -> tuple[Path, list[ChapterResult]]:
+    chapters = select(only)
+    out = Path(out) if out else RESULTS_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    done: list[ChapterResult] = []
+    for i, ch in enumerate(chapters, 1):
+        progress(f"chapter {i}/{len(chapters)}: {ch.title} ({ch.experiment})")
+        workdir = out / f"{i:02d}-{ch.experiment}"
+        t0 = time.monotonic()
+        try:
+            _, result = runner.run(ch.experiment, list(ch.settings), workdir,
+                                   progress=lambda m: progress("  " + m))
+            done.append(ChapterResult(ch, workdir, time.monotonic() - t0, result))
+        except LabError as e:     # the user sees it, and the rest of the story still runs
+            done.append(ChapterResult(ch, workdir, time.monotonic() - t0, error=str(e)))
+            progress(f"  chapter {i} could not run: {e}")
+        r = done[-1]
+        held = sum(c["passed"] for c in r.claims)
+        progress(f"  {held}/{len(r.claims)} claims hold ({r.seconds:.0f} s)")
+        write_index(out, done)     # after every chapter: a stopped tour keeps what it has
+    return out, done
+
+
+# --- the index -------------------------------------------------------------------------
+def _status(r: ChapterResult) -> str:
+    if r.error:
+        return "did not run"
+    held = sum(c["passed"] for c in r.claims)
+    return f"{held}/{len(r.claims)} claims hold"
+
+
+def write_index(out: Path, done: list[ChapterResult]) -> Path:
+    total = sum(r.seconds for r in done)
+    (out / "tour.json").write_text(json.dumps(
+        {"total_s": round(total, 1), "chapters": [r.as_dict() for r in done]},
+        indent=1, default=str))
+    md = ["# The fabriclab tour", "",
+          f"{len(done)} chapters in {total / 60:.1f} min. Each links its full report.", ""]
+    for i, r in enumerate(done, 1):
+        md += [f"## {i}. {r.chapter.title}", "", r.chapter.story, "",
+               f"`fabriclab run {r.chapter.experiment}"
+               + "".join(f" --set {s}" for s in r.chapter.settings) + "`: "
+               + _status(r) + f" in {r.seconds:.0f} s; "
+               + (f"error: {r.error}" if r.error else f"[report]({r.workdir.name}/report.html)"),
+               ""]
+        md += [f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: measured {c['measured']}, "
+               f"expected {c['expected']}" for c in r.claims]
+        md += [f"- warning: {w}" for w in (r.result or {}).get("warnings", [])]
+        md.append("")
+    (out / "index.md").write_text("\n".join(md))
+    page = out / "index.html"
+    page.write_text(_html(done, total))
+    return page
+
+
+def _html(done: list[ChapterResult], total: float) -> str:
+    esc = html.escape
+    body = ["<h1>The fabriclab tour</h1>",
+            f"<p>{len(done)} chapters in {total / 60:.1f} min: why GPUs wait on the network, "
+            f"and what each fix does. Each chapter links its full report (plots, tables, "
+            f"captures).</p>"]
+    for i, r in enumerate(done, 1):
+        link = (f"<b class=fail>did not run: {esc(r.error)}</b>" if r.error else
+                f"<a href='{esc(r.workdir.name)}/report.html'>report</a>")
+        body.append(f"<h2>{i}. {esc(r.chapter.title)}</h2><p>{esc(r.chapter.story)}</p>"
+                    f"<p><code>fabriclab run {esc(r.chapter.experiment)}"
+                    + "".join(f" --set {esc(s)}" for s in r.chapter.settings)
+                    + f"</code> &middot; {esc(_status(r))} in {r.seconds:.0f} s &middot; "
+                    f"{link}</p><ul>")
+        body += [f"<li class={'pass' if c['passed'] else 'fail'}>"
+                 f"{'PASS' if c['passed'] else 'FAIL'} {esc(c['name'])}: measured "
+                 f"{esc(str(c['measured']))}, expected {esc(str(c['expected']))}</li>"
+                 for c in r.claims]
+        body += [f"<li class=warn>warning: {esc(w)}</li>"
+                 for w in (r.result or {}).get("warnings", [])]
+        body.append("</ul>")
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+             ".pass{color:#070}.fail{color:#b00}.warn{color:#b60}")
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>fabriclab tour</title>"
+            f"<style>{style}</style></head><body>" + "\n".join(body) + "</body></html>\n")

@@ -1,0 +1,51 @@
+"""The Python API (lab/api.py), its pytest fixture and the example scripts."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from lab.api import Lab
+from lab.errors import LabError
+
+
+def run_example(name: str, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "examples" / name), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_example_allreduce_values_every_host_holds_the_mean(tmp_path):
+    r = run_example("allreduce_values.py", tmp_path / "ex")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("holds 0.75") == 4, r.stdout
+    result = json.loads((tmp_path / "ex" / "metrics.json").read_text())
+    assert len(result["claims"]) == 3 and result["passed"], result["claims"]
+    assert result["metrics"]["ring"]["busbw_mbps"] > 0
+    assert (tmp_path / "ex" / "report.html").read_text().count("class=pass") == 3
+
+
+def test_example_incast_credits_measures_drops_at_the_switch(tmp_path):
+    r = run_example("incast_credits.py", tmp_path / "ex")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((tmp_path / "ex" / "metrics.json").read_text())
+    assert m["metrics"]["rc"]["switch_drops_packets"] > 0   # RC without ECN overflows the port
+    assert all(c["passed"] for c in m["claims"]), m["claims"]
+
+
+@pytest.mark.fabric("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
+def test_the_fixture_gives_a_running_lab_whose_telemetry_sees_the_traffic(fabric_lab):
+    assert fabric_lab.hosts == ["g0", "g1"]
+    flows = fabric_lab.transfers([("g0", "g1", 100_000)], transport="mrc")
+    assert flows[0]["intact"]
+    import time
+    time.sleep(0.1)
+    sent = sum(q["sent_packets"] for q in fabric_lab.queue_stats().values())
+    assert sent >= 100_000 // 1024      # the switch queues carried at least the data
+
+
+def test_the_api_says_what_is_wrong():
+    with pytest.raises(LabError, match="spines"):
+        Lab("leaf-spine", spines=0)
+    with pytest.raises(LabError, match="inside `with Lab"):
+        Lab("leaf-spine").incast("g0", 1000)

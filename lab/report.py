@@ -18,15 +18,18 @@ from pathlib import Path
 
 PLOTS = "plots"
 QUEUES_SHOWN = 4
-COLUMNS_SHOWN = 12
 
 
 # --- data ------------------------------------------------------------------------------
 def variants(metrics: dict) -> dict[str, dict]:
-    """The metrics' per-variant sections: dicts holding scalar measurements."""
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, dict) and k not in ("telemetry", "captures")
-            and sum(isinstance(x, (int, float)) for x in v.values()) >= 2}
+    """The metrics' per-variant sections: dicts holding scalar measurements; an
+    experiment without variants is one section, "run", of its own scalars."""
+    sections = {k: v for k, v in metrics.items()
+                if isinstance(v, dict) and k not in ("telemetry", "captures")
+                and len(scalars(v)) >= 2}
+    if not sections and len(scalars(metrics)) >= 2:
+        return {"run": metrics}
+    return sections
 
 
 def scalars(section: dict) -> dict[str, float]:
@@ -183,14 +186,13 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out.append(("Parameters", ["parameter", "value"],
                 [[k, _fmt(v)] for k, v in params.items()]))
     sections = variants(result["metrics"])
-    if sections:
-        cols: list[str] = []
+    if sections:    # a row per measurement, a column per variant: any number of each fits
+        keys: list[str] = []
         for s in sections.values():
-            cols += [k for k in scalars(s) if k not in cols]
-        cols = cols[:COLUMNS_SHOWN]
-        out.append(("Measurements", ["variant", *cols],
-                    [[name, *(_fmt(scalars(s).get(c, "")) for c in cols)]
-                     for name, s in sections.items()]))
+            keys += [k for k in scalars(s) if k not in keys]
+        out.append(("Measurements", ["measurement", *sections],
+                    [[k, *(_fmt(scalars(s).get(k, "")) for s in sections.values())]
+                     for k in keys]))
     return out
 
 

@@ -34,11 +34,11 @@ CHAPTERS = (
             "Each GPU host gives one number; a ring all-reduce over RoCE v2 packets through "
             "the leaf-spine fabric leaves every host holding their mean. This exchange ends "
             "every training step: until it is done, no GPU can go on."),
-    Chapter("A training step: compute, then wait on the network", "training-step",
-            ("steps=4",),
+    Chapter("A training step: compute, then wait on the network", "training-step", (),
             "GPUs loop compute + all-reduce. On a clean fabric they already wait part of each "
-            "step; background incast into one GPU raises the idle fraction, ECN removes the "
-            "losses, spraying (MRC) shortens the wait."),
+            "step; background incast into one GPU raises the idle fraction and ECN removes "
+            "its losses; when RC's pinned flows collide on a spine the GPUs wait longer, and "
+            "spraying (MRC) takes that wait away."),
     Chapter("Incast jams a port: drops, then ECN, then PFC", "incast", (),
             "Eight hosts send to one. Without control the port's queue overflows and RC's "
             "go-back-N collapses; ECN marks + DCQCN share the port fairly with a short queue; "

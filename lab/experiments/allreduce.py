@@ -12,7 +12,7 @@ from lab.errors import UsageError
 from lab.runner import Claim, RunContext
 
 NAME = "allreduce"
-DESCRIPTION = "all-reduce on every GPU host (ring or tree): each result checked, nccl-tests figures"
+DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
 
 
 @dataclass

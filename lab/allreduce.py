@@ -54,8 +54,10 @@ def run(net: FabricNetwork, tensors: list[np.ndarray], transport: str = "rc",
     per_host = {h: {"gave": float(t[0]), "holds": round(float(r[0]), 6)}
                 for h, t, r in zip(hosts, tensors, results)} \
         if all(t.size == 1 for t in tensors) else None
+    # a phase ends for the collective when its slowest host ends it
+    phases = {k: max(p.get(k, 0.0) for p in res.phase_s) for k in res.phase_s[0]}
     return {
-        "hosts": hosts, "per_host": per_host, "transport": transport, "algorithm": algorithm, "n": n,
+        "hosts": hosts, "per_host": per_host, "transport": transport, "phase_s": phases, "algorithm": algorithm, "n": n,
         "results": results, "expected": expected,
         "max_abs_error": max(errors), "tolerance": tol,
         "agree": all(e <= tol for e in errors), "per_host_error": errors,

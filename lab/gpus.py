@@ -25,6 +25,14 @@ from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
 CPU_BOUND_FRACTION = 0.9
+MIN_JUDGED_S = 0.05          # collectives shorter than this say nothing about CPU
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + fields[4]          # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def scaleup(host: Host) -> HostInterface | None:
@@ -55,6 +63,7 @@ class CollectiveResult:
     elapsed_s: list[float]
     counters: list[dict]
     nic: list[dict]
+    phase_s: list[dict]          # per host: its algorithm's phases, if it has any
 
     @property
     def time_s(self) -> float:
@@ -71,6 +80,7 @@ class GpuAgents:
         self.procs: dict[str, subprocess.Popen] = {}
         self.next_id = first_collective_id
         self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
+        self.machine_busy: list[float] = []    # per collective: the machine's CPU busy share
         for h in self.hosts:
             intf = h.interface(network)
             args = [sys.executable, "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
@@ -131,19 +141,27 @@ class GpuAgents:
                        timeout_s=timeout_s, **commands[h.name])
         for h in self.hosts:
             self._expect(h.name, "ready", timeout_s=60)
+        busy0, total0 = cpu_times()
         for h in self.hosts:
             self._send(h.name, cmd="start", id=cid)
         ends = ("done", "timeout") if allow_timeout else "done"
         done = {h.name: self._expect(h.name, ends, timeout_s + 10) for h in self.hosts}
+        busy1, total1 = cpu_times()
+        if max(d["elapsed_s"] for d in done.values()) > MIN_JUDGED_S:
+            self.machine_busy.append((busy1 - busy0) / max(1, total1 - total0))
         for name, d in done.items():
             self.cpu.append((name, d["cpu_s"], d["elapsed_s"]))
         return done
 
     def cpu_bound(self, threshold: float = CPU_BOUND_FRACTION) -> list[str]:
-        """Hosts whose agent was busy more than `threshold` of some collective's time:
-        their NIC could not keep up, so the emulation was not faithful there."""
+        """Hosts whose agent was busy more than `threshold` of some collective's time
+        (their NIC could not keep up), or every host when the whole machine was (more
+        agents than cores each get a share below the threshold, yet all starve): the
+        emulation was not faithful there."""
+        if any(b > threshold for b in self.machine_busy):
+            return sorted(h.name for h in self.hosts)
         return sorted({name for name, cpu, elapsed in self.cpu
-                       if elapsed > 0.05 and cpu / elapsed > threshold})
+                       if elapsed > MIN_JUDGED_S and cpu / elapsed > threshold})
 
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
                   algorithm: str = "ring", params: dict | None = None,
@@ -159,7 +177,8 @@ class GpuAgents:
         return CollectiveResult(
             results=[np.frombuffer(base64.b64decode(d["result"]), np.float32) for d in done],
             elapsed_s=[d["elapsed_s"] for d in done],
-            counters=[d["counters"] for d in done], nic=[d["nic"] for d in done])
+            counters=[d["counters"] for d in done], nic=[d["nic"] for d in done],
+            phase_s=[d.get("phase_s", {}) for d in done])
 
     def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
                   params: dict | None = None, timeout_s: float = 120.0,

@@ -68,9 +68,13 @@ class Agent:
         cid, rank = cmd["id"], cmd["rank"]
         qp_cls, params_cls = TRANSPORTS[cmd["transport"]]
         given = dict(cmd.get("params", {}))
-        if "line_rate_mbps" in {f.name for f in dataclasses.fields(params_cls)}:
-            given.setdefault("line_rate_mbps", self.nic.rate_bps / 1e6)
-        params = params_cls(**given)
+        paced = "line_rate_mbps" in {f.name for f in dataclasses.fields(params_cls)}
+        # each NIC's QPs are paced at that NIC's rate (a scale-up QP held to the
+        # scale-out rate made the hierarchical all-reduce's fast phases 10x slow)
+        params_of = {net: params_cls(**({"line_rate_mbps": nic.rate_bps / 1e6, **given}
+                                         if paced else given))
+                     for net, nic in self.nics.items()}
+        params = params_of["scale-out"]
         peers = {p["rank"]: p for p in cmd["peers"]}
         for nic in self.nics.values():
             nic.qps.clear()
@@ -87,8 +91,8 @@ class Agent:
                 path = Path(mac, p["next_hop_mac"], ip, p["ip"]) if network == "scale-out" \
                     else Path(mac, p["up_mac"], ip, p["up_ip"])
                 qps[network, peer_rank] = self.nics[network].add(
-                    qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank), region, params,
-                           **extra))
+                    qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank), region,
+                           params_of[network], **extra))
             return qps[network, peer_rank]
 
         if cmd["collective"] == "allreduce":

@@ -116,6 +116,7 @@ class HierarchicalAllReduce:
         self.phases = [self.rs, self.across, self.ag]
         self.current = 0
         self.early: list[tuple] = []      # events of phases not started yet
+        self.phase_times: list[float] = []   # start, then the end of each phase
 
     @staticmethod
     def region_bytes(n_elems: int, g: int, racks: int) -> tuple[int, int]:
@@ -128,11 +129,15 @@ class HierarchicalAllReduce:
         return self.rs if event[1] in self.rs.steps else self.ag
 
     def start(self, now: float) -> None:
+        self.phase_times = [now]
         self.rs.start(now)
         self._advance(now)
 
     def _advance(self, now: float) -> None:
-        while self.phases[self.current].done() and self.current + 1 < len(self.phases):
+        while self.phases[self.current].done() and len(self.phase_times) <= self.current + 1:
+            self.phase_times.append(now)
+            if self.current + 1 == len(self.phases):
+                return
             self.current += 1
             self.phases[self.current].start(now)
             early, self.early = self.early, []
@@ -151,7 +156,11 @@ class HierarchicalAllReduce:
         return all(p.done() for p in self.phases)
 
     def report(self, op: str) -> dict:
-        return _result(self.buf, self.n, op)
+        t = self.phase_times
+        return {**_result(self.buf, self.n, op),
+                "phase_s": {name: round(b - a, 4) for name, a, b in
+                            zip(("scale-up reduce-scatter", "scale-out ring", "scale-up all-gather"),
+                                t, t[1:])}}
 
 
 def _result(buf: np.ndarray, n: int, op: str) -> dict:

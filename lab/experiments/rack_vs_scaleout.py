@@ -19,17 +19,20 @@ from lab.runner import Claim, RunContext
 
 NAME = "rack-vs-scaleout"
 DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"
-# Uplinks that carry a rack's four cross-rack rings even when ECMP hashes them all onto
-# one spine: this experiment is about scale-up vs scale-out, not about collisions (with
-# 10 or 20 Mb/s uplinks, colliding rings dropped and go-back-N resent thousands of packets)
-TOPOLOGY_DEFAULTS = {"rack": {"racks": 2, "gpus_per_rack": 4, "scaleout_rate_mbps": 10.0,
-                              "fabric_rate_mbps": 40.0, "rate_scale": 10000}}
+# 2 Mb/s scale-out NICs stand for 100 Gb/s (scale-up 18 Mb/s for NVLink's 900 GB/s):
+# the eight GPUs' scale-up phases then fit this machine's CPU (at 10 Mb/s, 90 Mb/s
+# scale-up, the hosts were CPU-bound and the hierarchical phases took 4x their model).
+# Uplinks carry a rack's four cross-rack rings even when ECMP hashes them all onto one
+# spine: this experiment is about scale-up vs scale-out, not about collisions.
+TOPOLOGY_DEFAULTS = {"rack": {"racks": 2, "gpus_per_rack": 4, "scaleout_rate_mbps": 2.0,
+                              "fabric_rate_mbps": 8.0, "rate_scale": 50000}}
+MODEL_SPEEDUP_SHARE = 0.6   # measured at the defaults: 3.7x of the model's 4.2x (0.88)
 
 
 @dataclass
 class Params:
     topology: str = "rack"
-    size_kb: int = 512           # per GPU
+    size_kb: int = 128           # per GPU
     transport: str = "rc"
     seed: int = 1
 
@@ -60,7 +63,8 @@ def run(ctx: RunContext) -> dict:
         out[algorithm] = {"time_s": round(m["time_s"], 4), "model_time_s": round(model, 4),
                           "over_model": round(m["time_s"] / model, 3),
                           "busbw_mbps": round(m["busbw_mbps"], 2), "agree": m["agree"],
-                          "retransmitted_packets": m["retransmitted_packets"]}
+                          "retransmitted_packets": m["retransmitted_packets"],
+                          **{f"{phase} s": t for phase, t in m["phase_s"].items()}}
         out.setdefault("cpu_bound_hosts", []).extend(m["cpu_bound_hosts"])
         ctx.progress(f"  {m['time_s'] * 1e3:.0f} ms (model {model * 1e3:.0f} ms)")
     out["speedup"] = round(out["ring"]["time_s"] / out["hier"]["time_s"], 3)
@@ -77,6 +81,10 @@ def claims(params: Params, m: dict) -> list[Claim]:
         Claim("hierarchical (scale-up + scale-out) beats the flat scale-out ring",
               m["speedup"] > 1.0, f"speedup {m['speedup']}",
               f"> 1 (the model says {m['model_speedup']})"),
+        Claim("the measured speedup reaches most of the model's",
+              m["speedup"] >= MODEL_SPEEDUP_SHARE * m["model_speedup"],
+              f"speedup {m['speedup']}",
+              f">= {MODEL_SPEEDUP_SHARE} x the model's {m['model_speedup']}"),
         Claim("neither beats its model's bandwidth term",
               all(m[a]["over_model"] >= 1.0 for a in ("ring", "hier")),
               {a: m[a]["over_model"] for a in ("ring", "hier")}, "time / model >= 1"),

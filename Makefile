@@ -16,9 +16,12 @@ KERNEL_TIER = if $(FABRICLAB) vm kernel-check; then \
 setup:
 	FABRICLAB_VENV=$(abspath $(VENV)) bash vagrant/provision.sh
 
+# checks the machine, builds and verifies a fabric, then tells the lab's story (the tour
+# prints where its report is)
 demo: setup
 	$(FABRICLAB) doctor
 	$(FABRICLAB) verify
+	$(FABRICLAB) tour
 
 # the native suite (pytest.ini deselects the kernel tier), then the kernel tier
 test: setup

@@ -14,6 +14,9 @@ from lab.runner import Claim, RunContext
 
 NAME = "loss-recovery"
 DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-back-N vs MRC"
+# 20 Mb/s links stand for 100 Gb/s: at 100 Mb/s the sender was CPU-bound on 2 cores
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"host_rate_mbps": 20.0, "fabric_rate_mbps": 20.0,
+                                    "rate_scale": 5000}}
 
 
 @dataclass

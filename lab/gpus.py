@@ -64,6 +64,8 @@ class CollectiveResult:
     counters: list[dict]
     nic: list[dict]
     phase_s: list[dict]          # per host: its algorithm's phases, if it has any
+    rate_samples: list[dict]     # per host: {"t", "sent": {qpn: [...]}, "delivered": {...}}
+    evs: list[dict]              # per host: MRC QP -> its entropy values' health
 
     @property
     def time_s(self) -> float:
@@ -178,7 +180,9 @@ class GpuAgents:
             results=[np.frombuffer(base64.b64decode(d["result"]), np.float32) for d in done],
             elapsed_s=[d["elapsed_s"] for d in done],
             counters=[d["counters"] for d in done], nic=[d["nic"] for d in done],
-            phase_s=[d.get("phase_s", {}) for d in done])
+            phase_s=[d.get("phase_s", {}) for d in done],
+            rate_samples=[d["rate_samples"] for d in done],
+            evs=[d.get("evs", {}) for d in done])
 
     def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
                   params: dict | None = None, timeout_s: float = 120.0,

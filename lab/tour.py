@@ -52,9 +52,9 @@ CHAPTERS = (
     Chapter("Loss recovery: go-back-N vs selective repeat", "loss-recovery", (),
             "With random loss on one link, RC resends everything after a hole, MRC resends "
             "only what was lost."),
-    Chapter("A spine uplink fails", "link-failure", (),
-            "RC's pinned QP stalls until the controller reroutes; MRC retires the dead entropy "
-            "value and keeps going."),
+    Chapter("A spine uplink fails mid all-reduce", "link-failure", (),
+            "RC's QP pinned to the dead spine stalls the whole ring until the controller "
+            "reroutes; MRC retires the dead entropy value and keeps going."),
     Chapter("Rack vs scale-out", "rack-vs-scaleout", (),
             "A hierarchical all-reduce uses the rack's fast scale-up links first and sends "
             "only a share over the slower scale-out NICs; a flat ring sends it all there."),

@@ -1,17 +1,20 @@
-"""A spine uplink fails in the middle of a transfer: RC stalls, MRC keeps going.
+"""A spine uplink fails in the middle of an all-reduce: RC stalls, MRC keeps going.
 
-One long transfer from a host on leaf 0 to a host on leaf 1, over four spines,
-once by RC and once by MRC (one explicit entropy value per spine). After
-`fail_after_s` the leaf-0 uplink carrying the most traffic goes down (its
-veth, so both switches see the port drop). The controller reroutes around it
-after `reroute_delay_ms`, the convergence time of the routing it stands for.
-  RC   its one UDP source port pins the QP to one spine: if that spine is the one
-       lost, everything it sends is lost until the reroute, and then it waits for
-       its retransmit timer
+A ring all-reduce of `allreduce_kb` per GPU over four GPU hosts, two on each of two
+leaves joined by four spines (workload=allreduce), or one long transfer from a host
+on leaf 0 to a host on leaf 1 (workload=transfer); once by RC and once by MRC (one
+explicit entropy value per spine). After `fail_after_s` the leaf-0 uplink carrying
+the most traffic goes down (its veth, so both switches see the port drop). The
+controller reroutes around it after `reroute_delay_ms`, the convergence time of the
+routing it stands for.
+  RC   its one UDP source port pins each QP to one spine: the QP on the lost spine
+       loses everything it sends until the reroute, and then waits for its
+       retransmit timer; in a ring every GPU soon waits for that one flow
   MRC  the packets on the dead entropy value are lost, selectively resent on the
        others, and the dead EV is retired; it never stops
-Stall: the longest time the receiver's delivered bytes did not grow after the
-failure. Then the link comes back, and the routes with it, before the next variant.
+Stall: the longest time after the failure in which the bytes delivered (summed over
+every receiving QP) did not grow. Then the link comes back, and the routes with it,
+before the next variant.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from lab.errors import LabError, UsageError
 from lab.gpus import GpuAgents, explicit_evs
 from lab.queues import interface_name
@@ -28,26 +33,33 @@ from lab import events
 from lab.runner import Claim, RunContext
 
 NAME = "link-failure"
-DESCRIPTION = "a spine uplink goes down mid-transfer: RC stalls until rerouted, MRC retires the EV"
-TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 1,
+DESCRIPTION = "a spine uplink goes down mid all-reduce: RC stalls until rerouted, MRC retires the EV"
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 2,
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
                                     "rate_scale": 10000}}
 STALL_RATIO = 0.5           # MRC's stall under half of RC's
 WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
+WORKLOADS = ("allreduce", "transfer")
 
 
 @dataclass
 class Params:
     topology: str = "leaf-spine"
-    flow_kb: int = 2000
+    workload: str = "allreduce"   # allreduce (ring over 2 GPUs per leaf) | transfer (one flow)
+    allreduce_kb: int = 1024      # per GPU, workload=allreduce
+    flow_kb: int = 2000           # workload=transfer
     fail_after_s: float = 0.6
     reroute_delay_ms: float = 1500.0
 
     def validate(self) -> None:
         if self.topology != "leaf-spine":
             raise UsageError("link-failure needs topology=leaf-spine")
-        if self.flow_kb <= 0 or self.fail_after_s <= WINDOW_S or self.reroute_delay_ms < 0:
-            raise UsageError(f"need flow_kb > 0, fail_after_s > {WINDOW_S}, "
+        if self.workload not in WORKLOADS:
+            raise UsageError(f"workload must be one of {', '.join(WORKLOADS)}, "
+                             f"got {self.workload!r}")
+        if min(self.flow_kb, self.allreduce_kb) <= 0 or self.fail_after_s <= WINDOW_S \
+                or self.reroute_delay_ms < 0:
+            raise UsageError(f"need flow_kb and allreduce_kb > 0, fail_after_s > {WINDOW_S}, "
                              f"reroute_delay_ms >= 0")
 
 
@@ -94,16 +106,54 @@ def wait_reroute(ctx: RunContext, since: float, timeout_s: float) -> float | Non
     return None
 
 
-def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, src: str, dst: str,
-                leaf: str) -> dict:
+def merged_delivery(series: list[dict]) -> dict:
+    """One delivered-bytes series out of several ({"t": [...], "delivered": [...]}
+    each): at every sample of any of them, the sum of each one's latest value."""
+    points = sorted((t, i, d) for i, s in enumerate(series)
+                    for t, d in zip(s["t"], s["delivered"]))
+    latest = [0] * len(series)
+    out: dict = {"t": [], "delivered": []}
+    for t, i, d in points:
+        latest[i] = d
+        out["t"].append(t)
+        out["delivered"].append(sum(latest))
+    return out
+
+
+def transfer(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | None) -> dict:
+    src, dst = gpus.hosts[0].name, gpus.hosts[-1].name
+    [f] = gpus.transfers([(src, dst, ctx.params.flow_kb * 1024)], transport, params=params,
+                         timeout_s=120)
+    return {"delivery": f["receiver_samples"], "completion_s": f["completion_s"],
+            "retransmitted_packets": f["counters"]["retransmitted"],
+            "timeouts": f["counters"]["timeouts"], "evs": [f["evs"] or []],
+            "intact": f["intact"]}
+
+
+def allreduce(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | None) -> dict:
+    n = len(gpus.hosts)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(ctx.params.allreduce_kb * 256).astype(np.float32)
+             for _ in range(n)]
+    res = gpus.allreduce(grads, transport, op="mean", params=params, timeout_s=120)
+    expected = np.mean(np.stack(grads), axis=0)
+    counters = [c for per_host in res.counters for c in per_host.values()]
+    per_host = [{"t": s["t"], "delivered": [sum(v) for v in zip(*s["delivered"].values())]}
+                for s in res.rate_samples]
+    return {"delivery": merged_delivery(per_host), "completion_s": res.time_s,
+            "retransmitted_packets": sum(c["retransmitted"] for c in counters),
+            "timeouts": sum(c["timeouts"] for c in counters),
+            "evs": [evs for per_host in res.evs for evs in per_host.values()],
+            "intact": all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)}
+
+
+def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> dict:
     p = ctx.params
     links = uplinks(ctx, leaf)
-    params = {"evs": explicit_evs(ctx.fabric, ctx.fabric.host(src))} if transport == "mrc" \
-        else None
+    params = {"evs": explicit_evs(ctx.fabric, gpus.hosts[0])} if transport == "mrc" else None
+    work = allreduce if p.workload == "allreduce" else transfer
     result: dict = {}
-    flow = threading.Thread(target=lambda: result.update(
-        gpus.transfers([(src, dst, p.flow_kb * 1024)], transport, params=params,
-                       timeout_s=120)[0]))
+    flow = threading.Thread(target=lambda: result.update(work(ctx, gpus, transport, params)))
     t0 = time.time()
     flow.start()
     time.sleep(p.fail_after_s - WINDOW_S)
@@ -121,32 +171,40 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, src: str, dst:
     set_link(failed, up=True)
     wait_reroute(ctx, t_up, p.reroute_delay_ms / 1000 + 5)   # the routes are whole again
     if not result:
-        raise LabError(f"the {transport} transfer did not finish")
-    evs = result.get("evs") or []
+        raise LabError(f"the {transport} {p.workload} did not finish")
     return {"failed_link": failed, "failed_at_s": round(t_fail - t0, 3),
             "uplink_bytes_before": load,
             "rerouted_after_s": round(rerouted - t_fail, 3) if rerouted else None,
-            "stall_s": stall_s(result["receiver_samples"], t_fail),
+            "stall_s": stall_s(result["delivery"], t_fail),
             "completion_s": round(result["completion_s"], 3),
-            "retransmitted_packets": result["counters"]["retransmitted"],
-            "timeouts": result["counters"]["timeouts"],
-            "evs_retired": sum(1 for ev in evs if ev["retirements"]),
+            "retransmitted_packets": result["retransmitted_packets"],
+            "timeouts": result["timeouts"],
+            "evs_retired": sum(1 for evs in result["evs"] for ev in evs if ev["retirements"]),
             "intact": result["intact"]}
 
 
 def run(ctx: RunContext) -> dict:
     p = ctx.params
-    hosts = ctx.fabric.hosts
-    src, dst = hosts[0].name, hosts[-1].name
-    leaf = hosts[0].interface().switch
+    by_leaf: dict[str, list[str]] = {}
+    for h in ctx.fabric.hosts:
+        by_leaf.setdefault(h.interface().switch, []).append(h.name)
+    leaf, other = sorted(by_leaf)[:2]
+    if p.workload == "allreduce":
+        if len(by_leaf[leaf]) < 2 or len(by_leaf[other]) < 2:
+            raise UsageError("workload=allreduce needs 2 GPU hosts on each of two leaves "
+                             "(hosts_per_leaf >= 2)")
+        hosts = [*by_leaf[leaf][:2], *by_leaf[other][:2]]    # the ring crosses each way once
+        what = f"ring all-reduce of {p.allreduce_kb} KB per GPU over {', '.join(hosts)}"
+    else:
+        hosts = [by_leaf[leaf][0], by_leaf[other][-1]]
+        what = f"{p.flow_kb} KB {hosts[0]} -> {hosts[1]}"
     ctx.net.controller.enable_rerouting(p.reroute_delay_ms)
-    out = {"src": src, "dst": dst}
-    with GpuAgents(ctx.net, hosts=[src, dst]) as gpus:
+    out: dict = {"workload": p.workload, "hosts": hosts}
+    with GpuAgents(ctx.net, hosts=hosts) as gpus:
         for transport in ("rc", "mrc"):
-            ctx.progress(f"{transport}: {p.flow_kb} KB {src} -> {dst}; an uplink of {leaf} "
-                         f"fails after {p.fail_after_s} s, rerouted after "
-                         f"{p.reroute_delay_ms:.0f} ms")
-            m = out[transport] = run_variant(ctx, gpus, transport, src, dst, leaf)
+            ctx.progress(f"{transport}: {what}; an uplink of {leaf} fails after "
+                         f"{p.fail_after_s} s, rerouted after {p.reroute_delay_ms:.0f} ms")
+            m = out[transport] = run_variant(ctx, gpus, transport, leaf)
             ctx.progress(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
                          f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
@@ -156,7 +214,8 @@ def run(ctx: RunContext) -> dict:
 def claims(params: Params, m: dict) -> list[Claim]:
     rc, mrc = m["rc"], m["mrc"]
     return [
-        Claim("both transfers arrive intact", rc["intact"] and mrc["intact"],
+        Claim("both runs deliver every byte intact (all-reduce: every GPU holds the mean)",
+              rc["intact"] and mrc["intact"],
               {"rc": rc["intact"], "mrc": mrc["intact"]}, "both True"),
         Claim("the controller rerouted around the failed link",
               rc["rerouted_after_s"] is not None and mrc["rerouted_after_s"] is not None,

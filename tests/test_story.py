@@ -70,3 +70,19 @@ def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):
     # took as long as the flat ring): most of the model's win is measured
     assert m["speedup"] >= 0.6 * m["model_speedup"], r.stdout
     assert m["hier"]["scale-up reduce-scatter s"] < m["hier"]["scale-out ring s"], r.stdout
+
+
+def test_the_tour_runs_its_chapters_and_links_their_reports(tmp_path):
+    out = tmp_path / "tour"
+    r = fabriclab("tour", "--only", "allreduce", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tour = json.loads((out / "tour.json").read_text())
+    [chapter] = tour["chapters"]
+    assert chapter["experiment"] == "allreduce" and chapter["error"] is None
+    assert chapter["claims"] and all(c["passed"] for c in chapter["claims"])
+    page = (out / "index.html").read_text()
+    assert "01-allreduce/report.html" in page and (out / "01-allreduce" / "report.html").exists()
+    assert "0.75" in page                          # every host's result, in the claim
+    assert f"report: {out / 'index.html'}" in r.stdout
+    bad = fabriclab("tour", "--only", "no-such-chapter", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 1 and "no tour chapter 'no-such-chapter'" in bad.stderr

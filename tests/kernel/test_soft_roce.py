@@ -106,7 +106,9 @@ def roce_v2_gid_index(device: str, ip: str, timeout_s: float = 10) -> int:
 
 @contextmanager
 def capture(intf: str, pcap: Path):
-    proc = subprocess.Popen(["tcpdump", "-i", intf, "-U", "-w", str(pcap),
+    # a 32 MB capture buffer: under the lab VM's software CPU tcpdump's default 2 MB
+    # overflowed once (the pcap held 680960 of the 819200 bytes written)
+    proc = subprocess.Popen(["tcpdump", "-i", intf, "-U", "-B", "32768", "-w", str(pcap),
                              f"udp port {ROCE_V2_UDP_PORT}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -130,6 +130,10 @@ class FabricRouter(app_manager.OSKenApp):
     @logged
     def switch_features(self, ev):
         dp = ev.msg.datapath
+        # os-ken's own handler of this reply sets dp.id; ours may run first (seen under
+        # the lab VM's software CPU: the switch was ignored and never programmed)
+        if dp.id is None:
+            dp.id = ev.msg.datapath_id
         name = self.by_dpid.get(dp.id)
         if name is None:
             self.logger.warning("dpid %#x is not in the fabric; ignoring it", dp.id)

@@ -3,7 +3,10 @@
 An 8-to-1 incast on one leaf (10 Mb/s links), twice:
   ECN (controller marking, Kmin = Kmax = K, so marking is all or nothing at K):
       from the queue crossing K (telemetry, 1 ms samples) to the first CE-marked
-      packet leaving the port (a capture of the port: marking really active),
+      packet entering the queue (marking really active: an OVS mirror of the port
+      copies each packet as the switch sends it into the queue, so its capture has
+      no queueing delay), and to the first one leaving the port (a capture of the
+      port itself: that adds the packet's wait behind the K bytes queued),
   PFC (XOFF = K):
       from the queue crossing K to the senders' NIC gates closing (pause enforced
       in the host MACs, the controller's log) and to each sender's transport reading
@@ -15,6 +18,7 @@ Medians and p99 in ms and in packet times at the link rate. Goal: median < 2 ms.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import statistics
 import subprocess
@@ -30,6 +34,7 @@ from lab.congestion import CongestionParams, events, set_congestion  # noqa: E40
 from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E402
 from lab.gpus import GpuAgents                                      # noqa: E402
 from lab.network import FabricNetwork                               # noqa: E402
+from lab.queues import interface_name                               # noqa: E402
 from lab.state import RunLock                                       # noqa: E402
 from lab.telemetry import QueueTelemetry                            # noqa: E402
 from topologies.registry import build_topo                          # noqa: E402
@@ -37,8 +42,10 @@ from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402
 
 RATE_MBPS = 10.0
 THRESHOLD_KB = 8.0
-FLOW_KB = 300
+FLOW_KB = 600
 GOAL_MS = 2.0
+REVALIDATION_S = 0.01   # a removed marking rule stays in OVS's cached flows a few ms
+EPISODE_S = 0.05        # a controller reaction later than this belongs to another crossing
 
 
 def crossings(samples, threshold: int) -> list[float]:
@@ -64,10 +71,66 @@ def latencies(cross: list[float], reactions: list[float], slack_s: float) -> lis
     return out
 
 
+def marking_latencies(cross: list[float], marks: list[tuple[float, bool]],
+                      ce: list[float], slack_s: float) -> tuple[list[float], ...]:
+    """For each crossing that found marking off (the controller's last mark event before
+    it was 'off'): the time to the controller turning marking on, from there to the first
+    CE-marked packet sent into the queue (OVS applying the rule, and the next ECN-capable
+    packet's arrival), and the whole. Also how many such episodes ended (marking off
+    again, plus OVS's lag) before any packet was marked."""
+    times = [t for t, _ in marks]
+    to_rule, rule_to_ce, to_ce, unmarked = [], [], [], 0
+    for c in cross:
+        k = bisect.bisect_left(times, c - slack_s)
+        if k and marks[k - 1][1]:
+            continue                      # still marking from an earlier episode
+        on = next((t for t, is_on in marks[k:] if is_on), None)
+        if on is None or on - c > EPISODE_S:
+            continue
+        off = next((t for t, is_on in marks[k:] if not is_on and t > on), float("inf"))
+        i = bisect.bisect_left(ce, on)
+        if i < len(ce) and ce[i] < off + REVALIDATION_S:
+            to_rule.append(max(0.0, on - c))
+            rule_to_ce.append(ce[i] - on)
+            to_ce.append(max(0.0, ce[i] - c))
+        else:
+            unmarked += 1
+    return to_rule, rule_to_ce, to_ce, unmarked
+
+
 def ce_times(pcap: Path) -> list[float]:
     r = subprocess.run(["tshark", "-r", str(pcap), "-Y", "ip.dsfield.ecn == 3", "-T", "fields",
                         "-e", "frame.time_epoch"], capture_output=True, text=True, check=True)
     return [float(x) for x in r.stdout.split()]
+
+
+@contextlib.contextmanager
+def enqueue_tap(switch: str, intf: str, pcap: Path):
+    """Capture what the switch sends into `intf`'s queue, at the moment it sends it: an
+    OVS mirror of the port's output onto a veth of its own (named in the lab's scheme,
+    so a sweep removes it; the mirror goes with the bridge)."""
+    tap, peer = f"{switch}-eth998", f"{switch}-eth999"
+    sh = lambda *a: subprocess.run(a, check=True, capture_output=True)   # noqa: E731
+    sh("ip", "link", "add", tap, "type", "veth", "peer", "name", peer)
+    try:
+        for dev in (tap, peer):
+            sh("ip", "link", "set", dev, "up")
+        sh("ovs-vsctl", "add-port", switch, tap, "--", "--id=@t", "get", "port", tap, "--",
+           "--id=@p", "get", "port", intf, "--", "--id=@m", "create", "mirror",
+           "name=fl-enqueue", "select-dst-port=@p", "output-port=@t", "--",
+           "add", "bridge", switch, "mirrors", "@m")
+        cap = subprocess.Popen(["tcpdump", "-i", peer, "-w", str(pcap), "-U", "-B", "32768"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)   # tcpdump attached
+        try:
+            yield
+        finally:
+            cap.terminate()
+            cap.wait(timeout=5)
+    finally:
+        subprocess.run(["ovs-vsctl", "--if-exists", "del-port", switch, tap, "--",
+                        "clear", "bridge", switch, "mirrors"], capture_output=True)
+        subprocess.run(["ip", "link", "del", tap], capture_output=True)
 
 
 def summary(name: str, lat_s: list[float]) -> str:
@@ -92,7 +155,9 @@ def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
     recv = net.fabric.host("g0").interface()
     port = f"{recv.switch}:{recv.port}:{PRIORITY_ROCE_DATA}"
     caps = Captures(net.fabric, ["g0"], tmp / mode, max_mb=50)
-    with QueueTelemetry(net.fabric, None, interval_ms=1.0) as tel, caps:
+    tap = enqueue_tap(recv.switch, interface_name(recv.switch, recv.port),
+                      tmp / f"{mode}-enqueue.pcap") if mode == "ecn" else contextlib.nullcontext()
+    with QueueTelemetry(net.fabric, None, interval_ms=1.0) as tel, caps, tap:
         tel_start = time.time()
         flows = gpus.incast("g0", FLOW_KB * 1024, "rc",
                             params=rc_params(net, RATE_MBPS, THRESHOLD_KB))
@@ -102,12 +167,19 @@ def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
     lines = [f"{mode}: {len(cross)} threshold crossings at {THRESHOLD_KB:.0f} KB; telemetry "
              f"every {tel.sampling()['interval_ms_p50']:.2f} ms (p50)"]
     if mode == "ecn":
+        marks = sorted((e["t"], e["event"] == "mark_on") for e in evs
+                       if e["event"] in ("mark_on", "mark_off"))
+        to_rule, rule_to_ce, to_ce, unmarked = marking_latencies(
+            cross, marks, ce_times(tmp / "ecn-enqueue.pcap"), slack)
+        lines += [summary("  crossing -> first CE-marked packet into the queue", to_ce)
+                  + f"; {unmarked} episode(s) ended before a packet was marked",
+                  summary("    crossing -> marking rule sent (controller)", to_rule),
+                  summary("    rule sent -> first CE-marked packet into the queue (OVS)",
+                          rule_to_ce)]
         pcap = next(iter(caps.summary().values()))["file"]
-        lines.append(summary("  crossing -> first CE-marked packet on the wire",
+        lines.append(summary("  crossing -> first CE-marked packet out of the port "
+                             "(+ its wait in the queue)",
                              latencies(cross, ce_times(Path(pcap)), slack)))
-        lines.append(summary("  crossing -> marking rule sent (controller)",
-                             latencies(cross, [e["t"] for e in evs if e["event"] == "mark_on"],
-                                       slack)))
     else:
         hosts = {h.name for h in net.fabric.hosts}
         gate = [e["t"] for e in evs if e["event"] == "gate_close" and e["device"] in hosts]

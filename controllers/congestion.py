@@ -227,6 +227,7 @@ class CongestionControl(app_manager.OSKenApp):
     def loop(self):
         dump = tcnl.Netlink()
         last_state = last_step = 0.0
+        tick = time.monotonic()
         while True:
             try:
                 with self.lock:
@@ -245,7 +246,10 @@ class CongestionControl(app_manager.OSKenApp):
                         last_state = now
             except Exception:   # keep the switches' congestion handling alive; say why
                 self.logger.exception("congestion loop")
-            hub.sleep(self.config.sample_ms / 1000 if self.config.active else IDLE_POLL_S)
+            # A fixed cadence (not a sleep after the work): a sample every sample_ms.
+            tick = max(tick + (self.config.sample_ms / 1000 if self.config.active
+                               else IDLE_POLL_S), time.monotonic())
+            hub.sleep(max(0.0, tick - time.monotonic()))
 
     def step(self, stats: list[tcnl.QdiscStats], now: float) -> None:
         gate = tcnl.handle(queues.gate_major(PRIORITY_ROCE_DATA))

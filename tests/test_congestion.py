@@ -130,18 +130,23 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path):
     assert not after["gates_closed"]
 
 
-def test_ecn_red_needs_sch_red_and_says_so(tmp_path):
+def test_ecn_red_where_the_kernel_has_it_else_a_clear_refusal(tmp_path):
+    """Both branches assert: this machine's kernel has no sch_red (the refusal, and auto
+    falls back to the controller); a Vagrant VM's has (red is applied and is auto's
+    choice). The red mode's marking itself is tested in tests/kernel."""
     from lab import doctor
-    if doctor.qdisc_available("red"):
-        pytest.fail("this kernel has sch_red: the red mode is tested in tests/kernel; "
-                    "this test is for kernels without it")
+    has_red = doctor.qdisc_available("red")
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2)
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
-        with pytest.raises(LabError, match="sch_red.*controller.*lab VM"):
-            set_congestion(net, CongestionParams(ecn="red"))
-        assert set_congestion(net, CongestionParams(ecn="auto")) == "controller"
+        if has_red:
+            assert set_congestion(net, CongestionParams(ecn="red")) == "red"
+        else:
+            with pytest.raises(LabError, match="sch_red.*controller.*lab VM"):
+                set_congestion(net, CongestionParams(ecn="red"))
+        default = "red" if has_red else "controller"
+        assert set_congestion(net, CongestionParams(ecn="auto")) == default
     doc = fabriclab("doctor")
-    assert "ECN marking default: controller" in doc.stdout
+    assert f"ECN marking default: {default}" in doc.stdout
 
 
 def test_telemetry_samples_every_few_ms(tmp_path):
@@ -160,23 +165,30 @@ def test_telemetry_samples_every_few_ms(tmp_path):
 
 # --- the experiments, small -----------------------------------------------------------
 def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
+    """The default 8-to-1 incast, all four variants (~15 s), every claim held: drops
+    without help; ECN (controller marking, whatever the kernel) marks, CNPs flow, senders
+    within 20% of the fair share, backlog p50 between Kmin and Kmax; PFC and ECN+PFC
+    lossless."""
     out = tmp_path / "incast"
-    r = fabriclab("run", "incast", "--set", "senders=4", "--set", "hosts_per_leaf=5",
-                  "--set", "flow_kb=150", "--set", "variants=none,ecn,pfc",
-                  "--set", "none_time_limit_s=3", "--capture", "g1", "--out", str(out),
-                  timeout=400)
+    r = fabriclab("run", "incast", "--set", "ecn=controller", "--capture", "g1",
+                  "--out", str(out), timeout=400)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
+    failed = [c for c in m["claims"] if not c["passed"]]
+    assert len(m["claims"]) == 7 and not failed, failed
     mx = m["metrics"]
     assert mx["none"]["drops_packets"] > 0, r.stdout
     assert mx["none"]["ecn_mode"] == "off" and mx["none"]["ce_marked_packets"] == 0
     assert mx["none"]["cnp_packets"] == 0
     ecn = mx["ecn"]
     assert ecn["ecn_mode"] == "controller" and ecn["ce_marked_packets"] > 0 < ecn["cnp_packets"]
-    pfc = mx["pfc"]
-    assert pfc["drops_packets"] == 0 and pfc["pause_frames_sent"] > 0, r.stdout
-    assert pfc["receiver_naks"] == 0      # no gap at any receiver: nothing lost anywhere
-    assert pfc["sender_pause_frames_received"] > 0
+    assert len(ecn["sender_rates_pps"]) == 8 and ecn["max_deviation_from_fair"] <= 0.2
+    assert 2048 <= ecn["backlog_bytes_p50"] <= 16384      # Kmin, Kmax
+    for v in ("pfc", "ecn+pfc"):
+        pfc = mx[v]
+        assert pfc["drops_packets"] == 0 and pfc["pause_frames_sent"] > 0, r.stdout
+        assert pfc["sender_pause_frames_received"] > 0
+    assert mx["pfc"]["receiver_naks"] == 0      # no gap at any receiver: nothing lost anywhere
     for key in ("drops_packets", "ce_marked_packets", "pause_frames_sent", "backlog_bytes_p50",
                 "backlog_bytes_p99", "cnp_packets", "sender_rates_pps"):
         assert key in ecn and key in pfc
@@ -185,7 +197,8 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path):
     assert rates[0] == "t,src,dst,sent_packets,rate_mbps" and len(rates) > 50
     # the report: claims, tables and plots, the HTML self-contained
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
-    assert "## Claims" in md and "| PASS |" in md and "## Measurements" in md
+    assert "## Claims" in md and "| PASS |" in md and "| FAIL |" not in md
+    assert "## Measurements" in md
     for png in ("queues.png", "rates-ecn.png", "rates-pfc.png", "retransmitted_packets.png"):
         assert (out / "plots" / png).stat().st_size > 5000 and f"plots/{png}" in md
     assert page.count("data:image/png;base64,") >= 4 and "plots/" not in page

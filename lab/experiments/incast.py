@@ -99,13 +99,14 @@ def choose_hosts(ctx: RunContext) -> tuple[str, list[str]]:
 
 
 def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, float]:
-    """Packets per second each sender put on the wire within [since, until]."""
+    """Packets per second each sender put on the wire within [since, until]; a sender
+    with no two samples there counts as 0 (starved), not as absent."""
     rates = {}
     for f in flows:
         pts = [(t, n) for t, n in zip(f["rate_samples"]["t"], f["rate_samples"]["sent"])
                if since <= t <= until]
-        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-            rates[f["src"]] = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+        rates[f["src"]] = ((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+                           if len(pts) >= 2 and pts[-1][0] > pts[0][0] else 0.0)
     return rates
 
 

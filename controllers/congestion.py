@@ -14,10 +14,11 @@ every packet of that interval, not per packet (OpenFlow has no per-packet
 random), so the marked fraction follows p(q) over time, in bursts of
 `sample_ms`. Marks are counted exactly from the flow-removed messages.
 
-PFC. When the lossless class's backlog on a port passes XOFF, the switch sends
-a real 802.1Qbb frame (pause `pause_quanta`, refreshed while congested) out of
-every other port: the upstream neighbours whose traffic can feed that queue.
-Below XON it sends resume (pause time 0). A switch that receives a PFC frame
+PFC. Each lossless priority (RoCE data's by default) has its own XOFF and XON
+thresholds. When that class's backlog on a port passes its XOFF, the switch sends
+a real 802.1Qbb frame for that priority (pause `pause_quanta`, refreshed while
+congested) out of every other port: the upstream neighbours whose traffic can
+feed that queue. Below its XON it sends resume (pause time 0). A switch that receives a PFC frame
 (OVS hands MAC Control frames to the controller) closes the gate of that
 priority on the receiving port's egress: its queue holds, other priorities keep
 flowing, and if the queue fills it pauses its own upstream in turn. A GPU host
@@ -75,8 +76,7 @@ class Config:
     kmax_bytes: int = 0
     pmax: float = 0.0
     pfc: bool = False
-    xoff_bytes: int = 0
-    xon_bytes: int = 0
+    lossless: dict = field(default_factory=dict)     # priority (str) -> [xoff, xon] bytes
     pause_quanta: int = 0xFFFF
     sample_ms: float = 2.0
     watchdog_ms: float = 500.0
@@ -86,6 +86,11 @@ class Config:
     @property
     def queues(self) -> queues.QueueParams:
         return queues.QueueParams(**self.queue)
+
+    @property
+    def thresholds(self) -> dict[int, tuple[int, int]]:
+        """Lossless priority -> (XOFF, XON) in bytes, when PFC is on."""
+        return {int(p): (x[0], x[1]) for p, x in self.lossless.items()} if self.pfc else {}
 
     @property
     def active(self) -> bool:
@@ -139,7 +144,7 @@ class CongestionControl(app_manager.OSKenApp):
         self.host_names = {h.name for h in self.fabric.hosts}
         self.datapaths: dict[int, object] = {}
         self.marking: set[tuple[str, int]] = set()
-        self.xoff_sent: dict[tuple[str, int], float] = {}     # port -> last pause sent
+        self.xoff_sent: dict[tuple[str, int, int], float] = {}   # port, prio -> last pause
         self.gates: dict[tuple[str, int, int], dict] = {}     # closed gates
         self.host_ports: dict[tuple[str, int], Port] = {}
         self.unacked: list | None = None   # gate changes sent, not yet acknowledged
@@ -252,8 +257,10 @@ class CongestionControl(app_manager.OSKenApp):
             hub.sleep(max(0.0, tick - time.monotonic()))
 
     def step(self, stats: list[tcnl.QdiscStats], now: float) -> None:
-        gate = tcnl.handle(queues.gate_major(PRIORITY_ROCE_DATA))
-        backlog = {q.ifindex: q.backlog_bytes for q in stats if q.handle == gate}
+        """One sample: every switch port's gated classes (each priority's backlog)."""
+        gates = {tcnl.handle(queues.gate_major(prio)): prio for prio in range(8)}
+        backlog = {(q.ifindex, gates[q.handle]): q.backlog_bytes for q in stats
+                   if q.handle in gates}
         c = self.config
         for port in self.ports.values():
             if port.ifindex is None:
@@ -261,33 +268,34 @@ class CongestionControl(app_manager.OSKenApp):
                     port.ifindex = socket.if_nametoindex(port.intf)
                 except OSError:
                     continue
-            b = backlog.get(port.ifindex)
-            if b is None:
-                continue
-            if c.ecn == "controller":
+            b = backlog.get((port.ifindex, PRIORITY_ROCE_DATA))
+            if c.ecn == "controller" and b is not None:
                 self.mark(port, random.random() < c.mark_probability(b), b)
-            if c.pfc:
-                self.pfc(port, b, now)
+            for prio, (xoff, xon) in c.thresholds.items():
+                b = backlog.get((port.ifindex, prio))
+                if b is not None:
+                    self.pfc(port, prio, xoff, xon, b, now)
 
-    def pfc(self, port: Port, backlog: int, now: float) -> None:
-        key = (port.device, port.port)
+    def pfc(self, port: Port, prio: int, xoff: int, xon: int, backlog: int,
+            now: float) -> None:
+        key = (port.device, port.port, prio)
         c = self.config
         last = self.xoff_sent.get(key)
         refresh_s = c.pause_quanta * pause.quantum_s(port.rate_mbps * 1e6) / 2
-        if last is None and backlog >= c.xoff_bytes:
-            self.send_pfc(port, c.pause_quanta)
+        if last is None and backlog >= xoff:
+            self.send_pfc(port, prio, c.pause_quanta)
             self.xoff_sent[key] = now
-            self.event("xoff", port, backlog=backlog)
-        elif last is not None and backlog <= c.xon_bytes:
-            self.send_pfc(port, 0)
+            self.event("xoff", port, prio=prio, backlog=backlog)
+        elif last is not None and backlog <= xon:
+            self.send_pfc(port, prio, 0)
             del self.xoff_sent[key]
-            self.event("xon", port, backlog=backlog)
+            self.event("xon", port, prio=prio, backlog=backlog)
         elif last is not None and now - last >= refresh_s:
-            self.send_pfc(port, c.pause_quanta)
+            self.send_pfc(port, prio, c.pause_quanta)
             self.xoff_sent[key] = now
 
-    def send_pfc(self, congested: Port, quanta: int) -> None:
-        """A PFC frame for the lossless class out of every port that can feed `congested`."""
+    def send_pfc(self, congested: Port, prio: int, quanta: int) -> None:
+        """A PFC frame for `prio` out of every port that can feed `congested`."""
         dp = self.datapaths.get(congested.dpid)
         if dp is None:
             return
@@ -295,19 +303,19 @@ class CongestionControl(app_manager.OSKenApp):
         now = time.time()
         self.unacked = []      # the hosts' gates change together, acknowledged after
         for f in congested.feeders:
-            frame = pause.pfc_frame(port_mac(congested.dpid, f), {PRIORITY_ROCE_DATA: quanta})
+            frame = pause.pfc_frame(port_mac(congested.dpid, f), {prio: quanta})
             dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
                                             match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
                                             actions=[parser.OFPActionOutput(f)], data=frame))
             out = self.ports[(congested.device, f)]
-            self.count(out, PRIORITY_ROCE_DATA).pause_frames_sent += 1
+            self.count(out, prio).pause_frames_sent += 1
             if out.peer[0] in self.host_names:
-                self.host_mac_honours(out, quanta, now)
+                self.host_mac_honours(out, prio, quanta, now)
         unacked, self.unacked = self.unacked, None
         for nl, seq in unacked:
             nl.wait(seq)
 
-    def host_mac_honours(self, out: Port, quanta: int, now: float) -> None:
+    def host_mac_honours(self, out: Port, prio: int, quanta: int, now: float) -> None:
         """A GPU host's NIC stops sending the paused priority in its MAC, at once, as
         hardware does (links have no delay: the frame arrives as it is sent); its
         transport, slower, also stops scheduling that priority when it reads the
@@ -317,9 +325,9 @@ class CongestionControl(app_manager.OSKenApp):
             return
         if quanta:
             until = now + quanta * pause.quantum_s(out.rate_mbps * 1e6)
-            self.close_gate(host, PRIORITY_ROCE_DATA, until, now)
+            self.close_gate(host, prio, until, now)
         else:
-            self.open_gate(host, PRIORITY_ROCE_DATA, now)
+            self.open_gate(host, prio, now)
 
     # --- gates: this switch honouring a pause on one of its egress ports --------------
     def close_gate(self, port: Port, prio: int, until: float, now: float) -> None:
@@ -430,11 +438,13 @@ class CongestionControl(app_manager.OSKenApp):
         if new.ecn != "controller":
             for key in list(self.marking):
                 self.mark(self.ports[key], False, 0)
-        if not new.pfc:
-            for key in list(self.xoff_sent):
-                self.send_pfc(self.ports[key], 0)
-                del self.xoff_sent[key]
-            for (sw, p, prio) in list(self.gates):
+        lossless = new.thresholds      # a priority no longer lossless is resumed
+        for (sw, p, prio) in list(self.xoff_sent):
+            if prio not in lossless:
+                self.send_pfc(self.ports[(sw, p)], prio, 0)
+                del self.xoff_sent[(sw, p, prio)]
+        for (sw, p, prio) in list(self.gates):
+            if prio not in lossless:
                 self.open_gate(self.port_of(sw, p), prio, now)
         if new.active != self.config.active:
             self.realtime(new.active)
@@ -490,7 +500,7 @@ class CongestionControl(app_manager.OSKenApp):
         state = {"version": self.config.version, "t": now, "counters": counters,
                  "marking": sorted(f"{sw}:{p}" for sw, p in self.marking),
                  "gates_closed": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.gates),
-                 "xoff": sorted(f"{sw}:{p}" for sw, p in self.xoff_sent),
+                 "xoff": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.xoff_sent),
                  "watchdog": self.watchdog, "sampling": self.sampling()}
         tmp = self.state_file.with_name(".congestion-state.tmp")
         tmp.write_text(json.dumps(state))

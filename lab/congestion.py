@@ -15,6 +15,10 @@ taking hold. In this emulation that is the controller's sampling (1 ms, up to
 ~4 ms late under load) plus the frame's trip: measured in the 8-to-1 incast, 8
 senders resuming together filled 40-50 KB before the pause held, so XOFF at
 14 KB overflowed now and then and 8 KB did not (3 of 3 runs).
+
+PFC protects the priorities listed in `lossless` ("3": RoCE data), each with its own
+XOFF/XON: "3,0:12/6" makes priority 0 lossless too, pausing at 12 KB and resuming at
+6 KB of its class's backlog (a priority without its own pair uses xoff_kb/xon_kb).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from lab import doctor, queues
 from lab import events as lab_events
 from lab.errors import LabError, UsageError
+from traffic.constants import PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "controller", "off")
 
@@ -40,21 +45,40 @@ class CongestionParams:
     pfc: bool = False
     xoff_kb: float = 8.0
     xon_kb: float = 4.0
+    lossless: str = str(PRIORITY_ROCE_DATA)   # PFC priorities: "PRIO[:XOFF_KB/XON_KB],..."
     pause_quanta: int = 0xFFFF
     sample_ms: float = 1.0      # how often the controller reads the queues
     watchdog_ms: float = 500.0  # report a queue paused longer than this
 
-    def validate(self, buffer_kb: int) -> None:
+    def thresholds_kb(self) -> dict[int, tuple[float, float]]:
+        """Lossless priority -> (XOFF, XON) in KB, from `lossless`."""
+        out = {}
+        for item in filter(None, (x.strip() for x in self.lossless.split(","))):
+            prio, _, pair = item.partition(":")
+            try:
+                xoff, xon = (float(v) for v in pair.split("/")) if pair else (self.xoff_kb,
+                                                                             self.xon_kb)
+                out[int(prio)] = (xoff, xon)
+            except ValueError:
+                raise UsageError(f"lossless: {item!r} is not PRIO or PRIO:XOFF_KB/XON_KB "
+                                 f"(e.g. '3' or '3,0:12/6')") from None
+        return out
+
+    def validate(self, q: queues.QueueParams) -> None:
         if self.ecn not in ECN_MODES:
             raise UsageError(f"ecn must be one of {', '.join(ECN_MODES)}, got {self.ecn!r}")
-        if not 0 < self.kmin_kb < self.kmax_kb <= buffer_kb:
-            raise UsageError(f"need 0 < kmin_kb < kmax_kb <= buffer_kb ({buffer_kb}); got "
+        if not 0 < self.kmin_kb < self.kmax_kb <= q.buffer_kb:
+            raise UsageError(f"need 0 < kmin_kb < kmax_kb <= buffer_kb ({q.buffer_kb}); got "
                              f"kmin_kb={self.kmin_kb}, kmax_kb={self.kmax_kb}")
         if not 0 < self.pmax <= 1:
             raise UsageError(f"pmax must be in (0, 1], got {self.pmax}")
-        if self.pfc and not 0 < self.xon_kb < self.xoff_kb < buffer_kb:
-            raise UsageError(f"need 0 < xon_kb < xoff_kb < buffer_kb ({buffer_kb}); got "
-                             f"xon_kb={self.xon_kb}, xoff_kb={self.xoff_kb}")
+        for prio, (xoff, xon) in (self.thresholds_kb() if self.pfc else {}).items():
+            buffer_kb = q.buffer_bytes(prio) / 1024 if 0 <= prio <= 7 else 0
+            if not buffer_kb:
+                raise UsageError(f"lossless: priority {prio} is not one of 0-7")
+            if not 0 < xon < xoff < buffer_kb:
+                raise UsageError(f"need 0 < xon_kb < xoff_kb < the buffer of priority {prio} "
+                                 f"({buffer_kb:g} KB); got xon_kb={xon}, xoff_kb={xoff}")
         if self.sample_ms <= 0:
             raise UsageError("sample_ms must be positive")
 
@@ -87,7 +111,7 @@ def set_red(net, red: queues.RedParams | None) -> None:
 
 def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> str:
     """Apply ECN and PFC settings to the running fabric; returns the ECN mode in use."""
-    params.validate(net.queue_params.buffer_kb)
+    params.validate(net.queue_params)
     mode = resolve_ecn(params.ecn)
     want_red = params.red() if mode == "red" else None
     if want_red != net.queue_params.red:
@@ -96,7 +120,8 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
     config = {"version": version, "ecn": mode,
               "kmin_bytes": int(params.kmin_kb * 1024), "kmax_bytes": int(params.kmax_kb * 1024),
               "pmax": params.pmax, "pfc": params.pfc,
-              "xoff_bytes": int(params.xoff_kb * 1024), "xon_bytes": int(params.xon_kb * 1024),
+              "lossless": {str(prio): [int(xoff * 1024), int(xon * 1024)]
+                           for prio, (xoff, xon) in params.thresholds_kb().items()},
               "pause_quanta": params.pause_quanta, "sample_ms": params.sample_ms,
               "watchdog_ms": params.watchdog_ms,
               "queue": dataclasses.asdict(net.queue_params),

@@ -42,12 +42,22 @@ def test_8023x_pause_means_every_priority_and_junk_is_refused():
 
 
 def test_congestion_params_say_what_is_wrong():
+    q = queues.QueueParams()          # 64 KB for RoCE data, 16 KB for the other classes
     with pytest.raises(Exception, match="kmin_kb"):
-        CongestionParams(kmin_kb=20, kmax_kb=10).validate(64)
+        CongestionParams(kmin_kb=20, kmax_kb=10).validate(q)
     with pytest.raises(Exception, match="xoff_kb"):
-        CongestionParams(pfc=True, xoff_kb=80).validate(64)
+        CongestionParams(pfc=True, xoff_kb=80).validate(q)
     with pytest.raises(Exception, match="ecn"):
-        CongestionParams(ecn="sometimes").validate(64)
+        CongestionParams(ecn="sometimes").validate(q)
+    with pytest.raises(Exception, match="priority 0 .16 KB"):
+        CongestionParams(pfc=True, lossless="3,0:20/10").validate(q)
+    with pytest.raises(Exception, match="PRIO:XOFF_KB/XON_KB"):
+        CongestionParams(pfc=True, lossless="3,0:20").validate(q)
+    with pytest.raises(Exception, match="0-7"):
+        CongestionParams(pfc=True, lossless="9").validate(q)
+    both = CongestionParams(pfc=True, lossless="3, 0:6/3")
+    both.validate(q)
+    assert both.thresholds_kb() == {3: (8.0, 4.0), 0: (6.0, 3.0)}
 
 
 # --- the queues on a running fabric -------------------------------------------------------
@@ -128,6 +138,52 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path):
     counters = after["counters"][f"{g1.switch}:{g1.port}"][str(PRIORITY_ROCE_DATA)]
     assert counters["pause_frames_received"] == 2 and counters["paused_s"] >= 0.2
     assert not after["gates_closed"]
+
+
+def _udp_incast(net, dst: str, srcs: list[str], mbps: float, seconds: float) -> None:
+    """UDP (priority 0) from each of `srcs` to `dst` at `mbps`, through iperf3."""
+    ip = net.fabric.host(dst).interface().ip
+    servers = [net.mininet[dst].popen(["iperf3", "-s", "-1", "-p", str(5201 + i)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i in range(len(srcs))]
+    time.sleep(0.5)
+    clients = [net.mininet[src].popen(["iperf3", "-c", ip, "-p", str(5201 + i), "-u", "-b",
+                                       f"{mbps}M", "-l", "1000", "-t", str(seconds)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i, src in enumerate(srcs)]
+    for proc in clients + servers:
+        try:
+            proc.wait(timeout=seconds + 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_pfc_thresholds_per_priority(tmp_path):
+    """Two hosts send UDP (priority 0) at 8 Mb/s each into a 10 Mb/s port. With only
+    RoCE's priority lossless, priority 0's queue overflows; with priority 0 lossless too
+    (its own XOFF 6 KB / XON 3 KB), the switch sends PFC frames for priority 0 alone to
+    the two senders, their NICs hold it, and the port drops nothing."""
+    topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=3, host_rate_mbps=10,
+                      fabric_rate_mbps=10)
+    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+        g0 = net.fabric.host("g0").interface()
+        port = queues.interface_name(g0.switch, g0.port)
+        nl = tcnl.Netlink()
+        drops = {}
+        for lossless in ("3", "3,0:6/3"):
+            set_congestion(net, CongestionParams(pfc=True, lossless=lossless))
+            before = _gate(nl.qdiscs(), port, 0).drops
+            _udp_incast(net, "g0", ["g1", "g2"], mbps=8, seconds=2)
+            drops[lossless] = _gate(nl.qdiscs(), port, 0).drops - before
+            state = read_state(net)
+        set_congestion(net, CongestionParams())
+    assert drops["3"] > 50 and drops["3,0:6/3"] == 0, drops
+    for src in ("g1", "g2"):
+        toward = net.fabric.host(src).interface()
+        sent = state["counters"][f"{toward.switch}:{toward.port}"]
+        assert sent["0"]["pause_frames_sent"] > 0, sent
+        assert sent.get(str(PRIORITY_ROCE_DATA), {}).get("pause_frames_sent", 0) == 0
 
 
 def test_ecn_red_where_the_kernel_has_it_else_a_clear_refusal(tmp_path):

@@ -114,7 +114,7 @@ def pause_delivery_ms(evs: list[dict], flows: list[dict], port) -> dict:
     """From the switch deciding XOFF (its event) to each sender's NIC taking the pause
     frame in (its log): the part of the PFC loop that crosses the wire and the host."""
     xoffs = sorted(e["t"] for e in evs if e["event"] == "xoff" and e["device"] == port.switch
-                   and e["port"] == port.port)
+                   and e["port"] == port.port and e["prio"] == PRIORITY_ROCE_DATA)
     delays = []
     for f in flows:
         arrivals = sorted(t for t, quanta in f["sender_nic"]["pause_log"] if quanta)

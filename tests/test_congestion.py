@@ -279,12 +279,10 @@ def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):
                   "--out", str(out), timeout=400)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
-    claims = {c["name"]: c["passed"] for c in m["claims"]}
-    assert all(passed for name, passed in claims.items() if name.startswith("pfc")), r.stdout
-    # under ECN the victim keeps most of its rate (the claim asks 80%; a shared
-    # 2-core runner may take some of it), and clearly more than under PFC
+    failed = [c for c in m["claims"] if not c["passed"]]
+    assert len(m["claims"]) == 4 and not failed, failed   # here: ECN 0.995-0.998, PFC 0.32-0.36
     ratio = m["metrics"]["victim_rate_vs_alone"]
-    assert ratio["ecn"] > 0.6 and ratio["ecn"] > ratio["pfc"] + 0.2, r.stdout
+    assert ratio["ecn"] > ratio["pfc"] + 0.2, r.stdout
     pfc = m["metrics"]["pfc"]
     assert pfc["timeouts"] == 0, "pauses held a sender past its retransmit timer"
 

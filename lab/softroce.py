@@ -59,7 +59,8 @@ IB_WRITE_BW_PORT = 18515     # perftest's default; one more per concurrent serve
 
 def soft_roce_missing() -> str | None:
     """Why this machine cannot run rxe hosts, or None when it can (loads rdma_rxe)."""
-    tools = [t for t in ("rdma", "ib_write_bw", "tcpdump") if shutil.which(t) is None]
+    tools = [t for t in ("rdma", "ib_write_bw", "ib_send_bw", "tcpdump")
+             if shutil.which(t) is None]
     if tools:
         return f"missing {', '.join(tools)}"
     if not Path("/sys/module/rdma_rxe").exists():

@@ -15,8 +15,15 @@ ROCE_V2_UDP_PORT = 4791   # IANA-assigned UDP destination port of RoCE v2
 
 
 class Opcode(IntEnum):
-    """BTH opcodes the lab sends: RC transport (IBA vol. 1), the RoCE v2 CNP (Annex A17)
-    and the lab's MRC selective ACK."""
+    """BTH opcodes the lab sends or decodes: RC transport (IBA vol. 1), the RoCE v2 CNP
+    (Annex A17) and the lab's MRC selective ACK. The lab's transports write; SENDs are
+    decoded in real RoCE peers' traffic (Soft-RoCE's ib_send_bw)."""
+    SEND_FIRST = 0x00
+    SEND_MIDDLE = 0x01
+    SEND_LAST = 0x02
+    SEND_LAST_WITH_IMMEDIATE = 0x03
+    SEND_ONLY = 0x04
+    SEND_ONLY_WITH_IMMEDIATE = 0x05
     RDMA_WRITE_FIRST = 0x06
     RDMA_WRITE_MIDDLE = 0x07
     RDMA_WRITE_LAST = 0x08

@@ -24,7 +24,8 @@ from lab.errors import LabError, UsageError
 KERNEL_FEATURES = {
     "netem": "link delay and loss",
     "ovs-kernel-datapath": "OVS switching in the kernel",
-    "soft-roce": "rdma_rxe with ib_write_bw (perftest) and the rxe verbs provider",
+    "soft-roce": "rdma_rxe with ib_write_bw/ib_send_bw (perftest) and the rxe verbs provider",
+    "qdisc-red": "kernel RED for the ECN 'red' mode",
 }
 PYTEST_KERNEL_TIER = "python -m pytest -p no:cacheprovider -m kernel tests/kernel"
 
@@ -147,14 +148,14 @@ def _soft_roce_ready() -> bool:
         and subprocess.run(["modprobe", "-n", "-q", "rdma_rxe"]).returncode == 0)
     provider = any(Path(d).glob("librxe*.so") for d in
                    ("/usr/lib/x86_64-linux-gnu/libibverbs", "/usr/lib64/libibverbs"))
-    return module and provider and which("ib_write_bw") is not None
+    return module and provider and all(which(t) for t in ("ib_write_bw", "ib_send_bw"))
 
 
 def kernel_missing() -> dict[str, str]:
     """KERNEL_FEATURES this kernel lacks, probed for real."""
-    from lab import ovs
+    from lab import doctor, ovs
     have = {"netem": _netem_works(), "ovs-kernel-datapath": ovs.kernel_datapath_available(),
-            "soft-roce": _soft_roce_ready()}
+            "soft-roce": _soft_roce_ready(), "qdisc-red": doctor.qdisc_available("red")}
     return {name: why for name, why in KERNEL_FEATURES.items() if not have[name]}
 
 

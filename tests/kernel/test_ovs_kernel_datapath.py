@@ -1,11 +1,15 @@
 """The OVS kernel datapath runs a fabric: the bridges are in the kernel's datapath,
-and every host pair is reachable over shortest paths."""
+and every host pair is reachable over shortest paths; and the native suite's fabric,
+queue and PFC tests pass on it as they do on the userspace datapath."""
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kernel_lab import host_pids, leaf_spine
-from lab import verify
+from lab import ovs, verify
 from lab.queues import interface_name
 
 pytestmark = pytest.mark.kernel
@@ -36,3 +40,24 @@ def test_kernel_datapath_forwards_a_leaf_spine(tmp_path):
     assert not missing, f"ports not in the kernel datapath: {missing}"
     assert report.reachable == len(report.pairs), report.lines()
     assert not report.wrong_hops
+
+
+# The native tests that exercise the datapath itself: every topology built and verified,
+# ECMP spreading, link rates, the per-priority classes, PFC gates and thresholds.
+NATIVE_ON_KERNEL_DATAPATH = ["tests/test_fabric.py", "tests/test_congestion.py", "-k",
+                             "not congestion.py or dscp_picks or pfc_frame_stops "
+                             "or per_priority"]
+
+
+def test_the_native_fabric_and_pfc_tests_pass_on_the_kernel_datapath():
+    assert ovs.kernel_datapath_available(), (
+        "this kernel has no openvswitch module. Run the kernel tests in the lab VM: "
+        "fabriclab vm test")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *NATIVE_ON_KERNEL_DATAPATH], cwd=root, capture_output=True, text=True,
+                       timeout=1800)
+    print(r.stdout[-2000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 10 and not re.search(r"skipped|xfail", r.stdout)

@@ -1,6 +1,6 @@
 """Soft-RoCE (rdma_rxe) across the emulated fabric: real RoCE v2 from the kernel's
-RDMA stack, and the lab's decoder (traffic/roce.py) reads every frame of it, its
-ICRC agreeing with rxe's on every one.
+RDMA stack (RDMA WRITEs by ib_write_bw, SENDs by ib_send_bw), and the lab's decoder
+(traffic/roce.py) reads every frame of it, its ICRC agreeing with rxe's on every one.
 
 The Debian 12 kernel's rxe (6.1) works in the initial network namespace only (its
 UDP socket and route lookups are init_net's), so the two GPU hosts' interfaces are
@@ -122,13 +122,13 @@ def capture(intf: str, pcap: Path):
         proc.wait(timeout=30)
 
 
-def ib_write_bw(server_dev, server_gid, client_dev, client_gid, server_ip) -> str:
+def perftest(tool, server_dev, server_gid, client_dev, client_gid, server_ip) -> str:
     common = ["-s", str(MESSAGE_BYTES), "-n", str(ITERATIONS), "-m", str(MTU), "-F"]
-    server = subprocess.Popen(["ib_write_bw", "-d", server_dev, "-x", str(server_gid), *common],
+    server = subprocess.Popen([tool, "-d", server_dev, "-x", str(server_gid), *common],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(2)   # the server listens for the client's connection
-        client = subprocess.run(["ib_write_bw", "-d", client_dev, "-x", str(client_gid),
+        client = subprocess.run([tool, "-d", client_dev, "-x", str(client_gid),
                                  *common, server_ip], capture_output=True, text=True,
                                 timeout=180)
         out, _ = server.communicate(timeout=60)
@@ -144,7 +144,15 @@ def roce_frames(pcap: Path) -> list[bytes]:
     return [bytes(frame) for frame, _ in RawPcapReader(str(pcap))]
 
 
-def test_soft_roce_write_across_the_fabric_decodes_with_matching_icrc(tmp_path):
+# what each perftest tool puts on the wire: its data opcodes, and which carry a RETH
+WRITES = {Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST,
+          Opcode.RDMA_WRITE_ONLY}
+SENDS = {Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST, Opcode.SEND_ONLY}
+WITH_RETH = {Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY}
+
+
+@pytest.mark.parametrize("tool,kinds", [("ib_write_bw", WRITES), ("ib_send_bw", SENDS)])
+def test_soft_roce_across_the_fabric_decodes_with_matching_icrc(tmp_path, tool, kinds):
     sh("modprobe", "rdma_rxe")   # a clear failure where the kernel has no Soft-RoCE
     pcap = tmp_path / "rxe.pcap"
     with leaf_spine(tmp_path, spines=2, leaves=2, hosts_per_leaf=1) as net, ExitStack() as s:
@@ -155,7 +163,7 @@ def test_soft_roce_write_across_the_fabric_decodes_with_matching_icrc(tmp_path):
         d0, d1 = s.enter_context(rxe_device(i0)), s.enter_context(rxe_device(i1))
         x0, x1 = roce_v2_gid_index(d0, i0.ip), roce_v2_gid_index(d1, i1.ip)
         with capture(i1.name, pcap):
-            report = ib_write_bw(d1, x1, d0, x0, i1.ip)
+            report = perftest(tool, d1, x1, d0, x0, i1.ip)
     print(report)
     frames = roce_frames(pcap)
     parsed = [roce.parse(f) for f in frames]   # raises roce.Malformed on a bad ICRC
@@ -169,7 +177,13 @@ def test_soft_roce_write_across_the_fabric_decodes_with_matching_icrc(tmp_path):
     src = {p.src_ip for p in data}
     print(f"{len(frames)} RoCE v2 frames from rxe; opcodes {sorted(map(hex, opcodes))}")
     assert Opcode.ACKNOWLEDGE in opcodes and data, opcodes
-    assert src == {g0.ip}   # the writes came from g0 over the fabric, not a local shortcut
+    assert {p.opcode for p in data} <= kinds, opcodes      # only this tool's kind of data
+    assert src == {g0.ip}   # the data came from g0 over the fabric, not a local shortcut
+    # a WRITE's first packet carries the RETH: the whole message's length, one rkey
+    reths = [p for p in data if p.opcode in WITH_RETH]
+    assert bool(reths) == (kinds is WRITES)
+    assert all(p.dma_len == MESSAGE_BYTES for p in reths), {p.dma_len for p in reths}
+    assert len({p.rkey for p in reths}) <= 1
     payload = sum(len(p.payload) for p in data)
     assert payload >= MESSAGE_BYTES * ITERATIONS, payload
     assert re.search(r"\b%d\b" % MESSAGE_BYTES, report)

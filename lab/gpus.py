@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import select
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
 CPU_BOUND_FRACTION = 0.9
+# set to a directory: every agent runs under cProfile, its profile there as HOST.prof
+PROFILE_ENV = "FABRICLAB_PROFILE_DIR"
 MIN_JUDGED_S = 0.05          # collectives shorter than this say nothing about CPU
 
 
@@ -85,7 +88,10 @@ class GpuAgents:
         self.machine_busy: list[float] = []    # per collective: the machine's CPU busy share
         for h in self.hosts:
             intf = h.interface(network)
-            args = [sys.executable, "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
+            profile = os.environ.get(PROFILE_ENV)   # a developer's view of the agents' CPU
+            args = [sys.executable, *(["-m", "cProfile", "-o", f"{profile}/{h.name}.prof"]
+                                      if profile else []),
+                    "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
                     "--ip", intf.ip, "--rate-mbps", str(intf.rate_mbps), "--rack", str(h.rack or 0)]
             up = scaleup(h)
             if up is not None:

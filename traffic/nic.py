@@ -19,7 +19,7 @@ from collections.abc import Callable
 from traffic import pause
 from traffic.constants import (DSCP_PRIORITY, MAC_CONTROL_ETHERTYPE, PFC_PRIORITY_COUNT,
                                PRIORITY_ROCE_DATA, ROCE_V2_UDP_PORT)
-from traffic.qp import QueuePair
+from traffic.qp import PACE_AHEAD_S, QueuePair
 from traffic.roce import ETH_P_IP, Malformed, parse
 
 PAUSE_LOG_MAX = 2000              # when pause frames arrived: for reaction-time measurements
@@ -49,8 +49,12 @@ class SocketWire:
                 return False
             raise
 
-    def recv_all(self, limit: int = 256) -> list[bytes]:
+    def recv_all(self, ready: set[int] | None = None, limit: int = 256) -> list[bytes]:
+        """Frames waiting on the socket; none if `ready` (the fds poll() reported)
+        leaves it out: no system call, no exception for an empty socket."""
         out = []
+        if ready is not None and self.sock.fileno() not in ready:
+            return out
         for _ in range(limit):
             try:
                 out.append(self.sock.recv(4096))
@@ -88,14 +92,15 @@ class PacketWire(SocketWire):
     def filenos(self) -> list[int]:
         return [self.sock.fileno(), self.control.fileno()]
 
-    def recv_all(self, limit: int = 256) -> list[bytes]:
+    def recv_all(self, ready: set[int] | None = None, limit: int = 256) -> list[bytes]:
         out = []
-        for _ in range(8):
-            try:
-                out.append(self.control.recv(4096))
-            except BlockingIOError:
-                break
-        return out + super().recv_all(limit)
+        if ready is None or self.control.fileno() in ready:
+            for _ in range(8):
+                try:
+                    out.append(self.control.recv(4096))
+                except BlockingIOError:
+                    break
+        return out + super().recv_all(ready, limit)
 
     def close(self) -> None:
         for sock in (self.sock, self.control, self.holder):
@@ -127,8 +132,9 @@ class Nic:
         return qp
 
     # --- one turn of the loop ------------------------------------------------------
-    def receive(self, now: float) -> int:
-        frames = self.wire.recv_all()
+    def receive(self, now: float, ready: set[int] | None = None) -> int:
+        """Take in what arrived; `ready`: the fds poll() reported (None: try all)."""
+        frames = self.wire.recv_all(ready)
         for frame in frames:
             self.deliver(frame, now)
         return len(frames)
@@ -179,7 +185,7 @@ class Nic:
             self.ctrl.popleft()
         if now < self.paused_until[PRIORITY_ROCE_DATA]:
             return                             # all data is RoCE: its priority is paused
-        while now >= self.next_tx:
+        while now + PACE_AHEAD_S >= self.next_tx:
             frame = self.stalled or self._next_data(now)
             if frame is None:
                 return
@@ -227,18 +233,20 @@ def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float,
     for fd in [fd for nic in nics for fd in nic.wire.filenos()] + list(wake_fds):
         poller.register(fd, select.POLLIN)
     end = time.monotonic() + timeout_s
+    ready = None                          # the first turn reads every socket
     while not done():
         now = time.monotonic()
         if now > end:
             return False
         wake = end
         for nic in nics:
-            nic.receive(now)
+            nic.receive(now, ready)
             nic.transmit(now)
             wake = min(wake, nic.timers(now))
         # Work left for now: responses to send, or QP events (a message sent or
         # received) that done() has yet to hand to the collective: sleeping now
         # would hold them until the next frame or timer (measured: 50 ms per message).
         busy = any(nic.ctrl or any(qp.events for qp in nic.qps.values()) for nic in nics)
-        poller.poll(0 if busy else max(0.0, (wake - time.monotonic()) * 1000))
+        events = poller.poll(0 if busy else max(0.0, (wake - time.monotonic()) * 1000))
+        ready = {fd for fd, _ in events}
     return True

@@ -161,14 +161,16 @@ def _udp_incast(net, dst: str, srcs: list[str], mbps: float, seconds: float) -> 
 
 def test_pfc_thresholds_per_priority(tmp_path):
     """Two hosts send UDP (priority 0) at 6 Mb/s each into a 10 Mb/s port. With only
-    RoCE's priority lossless, priority 0's queue (16 KB) overflows; with priority 0
+    RoCE's priority lossless, priority 0's queue overflows; with priority 0
     lossless too (its own XOFF 4 KB / XON 2 KB), the switch sends PFC frames for
     priority 0 alone to the two senders, their NICs hold it, and the port drops nothing.
-    (The 12 KB of headroom last ~50 ms of the 2 Mb/s excess: enough for the lab VM's
-    software CPU, where XOFF at 6 KB with 8 Mb/s senders dropped 72 packets.)"""
+    The class gets 48 KB here: at a resume both senders drain their NIC queues at their
+    line rate, 20 Mb/s into 10, and in the lab VM (software CPU) the pause took so long
+    to come back that 16 KB overflowed (67 drops with XOFF at 4 KB)."""
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=3, host_rate_mbps=10,
                       fabric_rate_mbps=10)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    q = queues.QueueParams(control_buffer_kb=48)
+    with FabricNetwork(topo, tmp_path, queue_params=q, progress=lambda m: None) as net:
         g0 = net.fabric.host("g0").interface()
         port = queues.interface_name(g0.switch, g0.port)
         nl = tcnl.Netlink()

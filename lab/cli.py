@@ -144,10 +144,16 @@ def cmd_tour(args) -> int:
     import time
 
     from lab import tour
+    from lab import calibrate
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f} s] {msg}", flush=True)
+    if calibrate.load() is None:   # once per machine: the defaults must fit its speed
+        from lab.state import RunLock
+        progress("calibrating this machine first (once; `fabriclab calibrate` redoes it)")
+        with RunLock("fabriclab tour: calibrating"):
+            calibrate.save(calibrate.measure(progress=progress))
     out, done = tour.run(args.out, args.only, progress)
     failed = [r for r in done if r.error]
     claims = [c for r in done for c in r.claims]
@@ -167,6 +173,19 @@ def cmd_tour(args) -> int:
               f"default link rates (see bench/fidelity.py and docs/)")
     print(f"report: {out / 'index.html'} (and index.md)")
     return 1 if args.strict and (failed or held < len(claims)) else 0
+
+
+def cmd_calibrate(args) -> int:
+    from lab import calibrate
+    from lab.state import RunLock
+    print("calibrating: one GPU host's flow at rising link rates, until it falls behind")
+    with RunLock("fabriclab calibrate"):
+        c = calibrate.measure(tuple(args.rates) if args.rates else calibrate.SWEEP_MBPS)
+    path = calibrate.save(c)
+    print(f"this machine's GPU hosts keep up with {c.keep_up_mbps:g} Mb/s (reference "
+          f"{calibrate.REFERENCE_KEEP_UP_MBPS:g}): experiments' default rates and sizes run "
+          f"x{c.factor:.2f}; saved in {path}")
+    return 0
 
 
 def cmd_top(args) -> int:
@@ -329,6 +348,13 @@ def build_parser() -> Parser:
                     help="exit 1 when a chapter cannot run or a claim fails (by default the "
                          "tour reports them and exits 0 once its report is written)")
     tr.set_defaults(func=cmd_tour)
+    ca = sub.add_parser("calibrate", help="measure the link rate this machine's GPU hosts keep "
+                                     "up with; the experiments' defaults then fit it"
+                   )
+    ca.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",") if x],
+                    metavar="MBPS", help="the link rates to try, rising (default "
+                    "5,10,20,50,100,200)")
+    ca.set_defaults(func=cmd_calibrate)
     t = sub.add_parser("top", help="the lab's hottest switch queues, live (any running fabric)")
     t.add_argument("--interval", type=float, default=0.5, metavar="S")
     t.add_argument("--count", type=int, default=0, help="stop after this many screens")

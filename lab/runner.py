@@ -3,6 +3,9 @@
 An experiment is a module in lab/experiments/ with
     NAME, DESCRIPTION
     TOPOLOGY_DEFAULTS      optional: {topology: {param: value}}, the fabric it suggests
+    SCALED_SIZES           optional: Params fields (message sizes) that shrink with the
+                           link rates on a machine too slow for the defaults
+                           (lab/calibrate.py)
     Params                 a dataclass (its `topology` field picks the fabric)
     run(ctx) -> dict       drives the fabric, returns measurements
     claims(params, metrics) -> list[Claim]   physical claims checked from them
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from lab import calibrate
 from lab import experiments as experiments_pkg
 from lab import report
 from lab.errors import UsageError
@@ -131,8 +135,10 @@ def _convert(value: str, ftype, key: str):
 QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb")
 
 
-def split_settings(mod, settings: list[str]):
-    """--set key=value strings -> (experiment params, topology params, queue params)."""
+def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
+    """--set key=value strings -> (experiment params, topology params, queue params).
+    machine_factor < 1 (lab/calibrate.py): the defaults' link rates and message sizes
+    are scaled down by it (rate_scale up), what the user sets is kept."""
     exp_fields = {f.name: f for f in dataclasses.fields(mod.Params)}
     exp_values, topo_values, queue_values = {}, {}, {}
     for item in settings:
@@ -148,6 +154,8 @@ def split_settings(mod, settings: list[str]):
                 raise UsageError(f"--set {key} must be positive")
         else:
             topo_values[key] = value
+    if machine_factor < 1:
+        exp_values = {**scaled_sizes(mod, exp_values, machine_factor), **exp_values}
     params = mod.Params(**exp_values)
     if hasattr(params, "validate"):
         params.validate()
@@ -163,12 +171,33 @@ def split_settings(mod, settings: list[str]):
                              f"{', '.join(QUEUE_SETTINGS)}")
     # an experiment may suggest a fabric shape; what the user sets wins
     suggested = getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(params.topology, {})
+    if machine_factor < 1:
+        topo_values = {**scaled_rates(params.topology, suggested, machine_factor), **topo_values}
     topo_values = {**suggested, **topo_values}
     try:
         topo_params = make_params(params.topology, **topo_values)
     except ParamError as e:
         raise UsageError(str(e)) from None
     return params, topo_params, QueueParams(**queue_values)
+
+
+def scaled_sizes(mod, given: dict, factor: float) -> dict:
+    """The experiment's default message sizes, scaled for a slower machine."""
+    defaults = {f.name: f.default for f in dataclasses.fields(mod.Params)}
+    k = calibrate.size_factor(factor)
+    return {name: type(defaults[name])(defaults[name] * k) or 1
+            for name in getattr(mod, "SCALED_SIZES", ()) if name not in given}
+
+
+def scaled_rates(topology: str, suggested: dict, factor: float) -> dict:
+    """The suggested (else the topology's default) link rates times `factor`, and the
+    rate scale divided by it: a link still stands for the same real rate."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TOPOLOGIES[topology].Params)}
+    out = {name: float(suggested.get(name, default)) * factor
+           for name, default in defaults.items() if name.endswith("_rate_mbps")}
+    out["rate_scale"] = int(round(float(suggested.get("rate_scale",
+                                                      defaults["rate_scale"])) / factor))
+    return out
 
 
 def busiest(summary: dict[str, dict], n: int = 8) -> dict[str, dict]:
@@ -193,7 +222,12 @@ def run(name: str, settings: list[str], out: Path | None = None,
     """capture: switch ports to record (lab/capture.py); live: print the hottest
     queues every second while the experiment runs."""
     mod = load(name)
-    params, topo_params, queue_params = split_settings(mod, settings)
+    factor = calibrate.machine_factor()
+    params, topo_params, queue_params = split_settings(mod, settings, factor)
+    if factor < 1:
+        progress(f"this machine's GPU hosts keep up with {calibrate.load().keep_up_mbps:g} "
+                 f"Mb/s (fabriclab calibrate): default link rates x{factor:.2f}, message "
+                 f"sizes x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}")
     topo = TOPOLOGIES[params.topology](topo_params)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path(out) if out else RESULTS_DIR / f"{name}-{stamp}"
@@ -208,6 +242,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "fabric": topo.fabric.summary(),
         "queues": dataclasses.asdict(queue_params),
         "controller_runtime": controller_runtime,
+        "machine_factor": factor,
         "machine": {"host": platform.node(), "kernel": platform.release(),
                     "cpus": os.cpu_count()},
         "started": stamp,
@@ -241,7 +276,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
     if metrics.get("cpu_bound_hosts"):
         warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "
                         f"NICs could not keep up, so timings there are not faithful; lower "
-                        f"the link rates (see bench/transport.py for this machine's limit)")
+                        f"the link rates (--set host_rate_mbps=...), or run `fabriclab "
+                        f"calibrate` once so the defaults fit this machine")
         progress("warning: " + warnings[-1])
     result = {
         "experiment": name,

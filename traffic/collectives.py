@@ -257,17 +257,19 @@ class Transfers:
         self.region = region
         self.by_qp = {id(qp): peer for peer, (qp, *_) in sends.items()}
         self.by_qp.update({id(qp): peer for peer, (qp, *_) in recvs.items()})
-        self.sent_crc: dict[int, int] = {}
+        # the data exists before the transfer starts, as a GPU's does: making it is not
+        # part of the transfer's time (37 MB took 0.15 s of a 3.4 s flow)
+        self.data = {peer: pattern_bytes(rank, peer, nbytes)
+                     for peer, (_, nbytes, *_) in sends.items()}
+        self.sent_crc = {peer: zlib.crc32(data) for peer, data in self.data.items()}
         self.recv_crc: dict[int, int] = {}
         self.finished_at: dict[int, float] = {}
         self.t0 = 0.0
 
     def start(self, now: float) -> None:
         self.t0 = now
-        for peer, (qp, nbytes, va, rkey) in self.sends.items():
-            data = pattern_bytes(self.rank, peer, nbytes)
-            self.sent_crc[peer] = zlib.crc32(data)
-            qp.post_write(data, va, rkey, tag=self.rank)
+        for peer, (qp, _, va, rkey) in self.sends.items():
+            qp.post_write(self.data.pop(peer), va, rkey, tag=self.rank)
 
     def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
         peer = self.by_qp.get(id(qp))

@@ -14,6 +14,7 @@ from lab.runner import Claim, RunContext
 NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
 
+SCALED_SIZES = ("size_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -23,6 +23,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 
                                     "rate_scale": 10000}}
 BALANCE_TOLERANCE = 0.10      # sprayed uplinks within 10% of their mean
 
+SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -40,6 +40,7 @@ STEADY_FROM = 0.5
 FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 
+SCALED_SIZES = ("flow_kb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -41,6 +41,7 @@ STALL_RATIO = 0.5           # MRC's stall under half of RC's
 WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
 WORKLOADS = ("allreduce", "transfer")
 
+SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -18,6 +18,7 @@ DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-b
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"host_rate_mbps": 20.0, "fabric_rate_mbps": 20.0,
                                     "rate_scale": 5000}}
 
+SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -35,6 +35,7 @@ PATH_QUEUES = 3         # leaf 0 uplink, spine to leaf 1, leaf 1 to the host: al
 HOL_LOSS = 0.8          # under PFC the victim keeps less than 80% of its rate alone...
 KEEPS = 0.8             # ...under ECN at least 80% of it
 
+SCALED_SIZES = ("incast_kb", "victim_kb")   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

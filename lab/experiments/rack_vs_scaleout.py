@@ -28,6 +28,7 @@ TOPOLOGY_DEFAULTS = {"rack": {"racks": 2, "gpus_per_rack": 4, "scaleout_rate_mbp
                               "fabric_rate_mbps": 8.0, "rate_scale": 50000}}
 MODEL_SPEEDUP_SHARE = 0.6   # measured at the defaults: 3.7x of the model's 4.2x (0.88)
 
+SCALED_SIZES = ("size_kb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -45,6 +45,7 @@ BACKGROUND_FLOW_KB = 200     # each background sender's message, sent again and 
 BACKGROUND_LOAD = 0.8        # the background senders' rates, together, over the GPU's link
 BACKGROUND_COLLECTIVE_IDS = 128
 
+SCALED_SIZES = ("grad_kb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
 class Params:

@@ -1,0 +1,135 @@
+"""How fast this machine can emulate: the highest link rate at which a GPU host keeps up,
+and the scale the lab's experiments run at because of it.
+
+A GPU host is a Python agent; above some link rate it cannot send and receive fast
+enough and an experiment's timings stop being faithful. `measure()` finds that rate
+(one MRC flow between two hosts, rate after rate: a host keeps up while its goodput
+is at least KEEPS_UP_FRACTION of the line and its CPU below CPU_BOUND_FRACTION), and
+`fabriclab calibrate` stores it per machine.
+
+The experiments' default rates and sizes were chosen on a machine whose hosts keep up
+with REFERENCE_KEEP_UP_MBPS (they put up to nine agents at 10 Mb/s on two cores). On a
+slower machine (a software-emulated CPU, a busy laptop) `machine_factor()` is below 1
+and the runner scales those defaults down by it: link rates (rate_scale up, so a link
+still stands for the same real rate) and message sizes (so a run takes as long), never
+what the user sets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from lab.gpus import CPU_BOUND_FRACTION, GpuAgents
+from lab.network import FabricNetwork
+from topologies.registry import build_topo
+
+KEEPS_UP_FRACTION = 0.8
+REFERENCE_KEEP_UP_MBPS = 50.0      # this machine keeps up with 100 (bench/transport.py)
+SWEEP_MBPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
+FLOW_SECONDS = 1.0
+SIZE_FACTOR_FLOOR = 0.25           # messages shrink no further: a few packets say little
+CALIBRATION_ENV = "FABRICLAB_CALIBRATION"    # where it is kept, if not the default
+DEFAULT_CALIBRATION_FILE = "/var/cache/fabriclab/calibration.json"
+
+
+@dataclass
+class Calibration:
+    keep_up_mbps: float            # 0: not even the lowest rate tried
+    machine: dict                  # what it was measured on
+    sweep: list[dict]              # per rate: goodput, CPU, verdict
+    measured: str
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, self.keep_up_mbps / REFERENCE_KEEP_UP_MBPS)
+
+
+def machine() -> dict:
+    """What a calibration holds for: the same CPU model, count and kernel."""
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(),
+            "host": platform.node()}
+
+
+def two_hosts(rate_mbps: float):
+    return build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1,
+                      host_rate_mbps=rate_mbps, fabric_rate_mbps=rate_mbps)
+
+
+def flow(net: FabricNetwork, transport: str, nbytes: int) -> dict:
+    """One flow g0 -> g1: goodput and the sender's CPU."""
+    with GpuAgents(net, hosts=["g0", "g1"]) as gpus:
+        [f] = gpus.transfers([("g0", "g1", nbytes)], transport)
+        _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == "g0")
+    return {"goodput_mbps": nbytes * 8 / f["completion_s"] / 1e6, "intact": f["intact"],
+            "packets": f["counters"]["sent"], "cpu_s": cpu_s,
+            "cpu_fraction": cpu_s / elapsed_s if elapsed_s else 1.0}
+
+
+def keeps_up(rate_mbps: float, r: dict) -> bool:
+    return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps
+            and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
+
+
+def measure(rates: tuple[float, ...] = SWEEP_MBPS,
+            progress: Callable[[str], None] = print) -> Calibration:
+    """Rate after rate until a host falls behind."""
+    sweep, best = [], 0.0
+    with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
+        for rate in rates:
+            with FabricNetwork(two_hosts(rate), Path(tmp) / f"r{rate:g}",
+                               progress=lambda m: None) as net:
+                r = flow(net, "mrc", int(rate * 1e6 / 8 * FLOW_SECONDS))
+            ok = keeps_up(rate, r)
+            sweep.append({"rate_mbps": rate, **{k: round(v, 3) if isinstance(v, float) else v
+                                                for k, v in r.items()}, "keeps_up": ok})
+            progress(f"  {rate:6g} Mb/s: goodput {r['goodput_mbps']:.1f} Mb/s, sender CPU "
+                     f"{r['cpu_fraction']:.0%}: {'keeps up' if ok else 'falls behind'}")
+            if not ok:
+                break
+            best = rate
+    return Calibration(best, machine(), sweep, time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def calibration_file() -> Path:
+    return Path(os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_FILE))
+
+
+def save(c: Calibration) -> Path:
+    path = calibration_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(asdict(c), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load() -> Calibration | None:
+    """This machine's calibration, if one was measured on it."""
+    try:
+        c = Calibration(**json.loads(calibration_file().read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+    return c if c.machine == machine() else None
+
+
+def machine_factor() -> float:
+    """How much the experiments' default rates and sizes are scaled on this machine:
+    1 where uncalibrated or fast enough."""
+    c = load()
+    return c.factor if c else 1.0
+
+
+def size_factor(factor: float) -> float:
+    return max(factor, SIZE_FACTOR_FLOOR)

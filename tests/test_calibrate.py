@@ -10,7 +10,7 @@ from lab import calibrate, runner
 def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     incast = runner.load("incast")
     p, t, _ = runner.split_settings(incast, ["senders=4"], machine_factor=0.2)
-    assert (p.senders, p.flow_kb) == (4, 150)            # sizes x0.25 (the floor), not x0.2
+    assert (p.senders, p.flow_kb) == (4, 300)            # sizes x0.25 (the floor), not x0.2
     assert (t.host_rate_mbps, t.fabric_rate_mbps, t.rate_scale) == (2.0, 2.0, 50000)
     p, t, _ = runner.split_settings(incast, ["flow_kb=100", "host_rate_mbps=7"], 0.5)
     assert (p.flow_kb, t.host_rate_mbps, t.fabric_rate_mbps) == (100, 7.0, 5.0)
@@ -18,7 +18,7 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     _, t, _ = runner.split_settings(rack, [], 0.5)
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
-    assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (600, 10.0, 10000)
+    assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
 
 
 def test_calibrate_measures_and_the_runner_uses_it(tmp_path):
@@ -37,5 +37,5 @@ def test_calibrate_measures_and_the_runner_uses_it(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["machine_factor"] == 0.2
     assert config["topology"]["host_rate_mbps"] == 2.0 and config["rate_scale"]["factor"] == 50000
-    assert config["params"]["flow_kb"] == 150 and config["params"]["senders"] == 2
+    assert config["params"]["flow_kb"] == 300 and config["params"]["senders"] == 2
     assert "default link rates x0.20" in r.stdout

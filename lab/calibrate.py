@@ -25,9 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from lab.gpus import CPU_BOUND_FRACTION, GpuAgents
-from lab.network import FabricNetwork
-from topologies.registry import build_topo
+# (the fabric and the agents are imported where a measurement needs them: `doctor` reads
+# a calibration on machines where Mininet is still missing)
 
 KEEPS_UP_FRACTION = 0.8
 REFERENCE_KEEP_UP_MBPS = 50.0      # this machine keeps up with 100 (bench/transport.py)
@@ -63,12 +62,14 @@ def machine() -> dict:
 
 
 def two_hosts(rate_mbps: float):
+    from topologies.registry import build_topo
     return build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1,
                       host_rate_mbps=rate_mbps, fabric_rate_mbps=rate_mbps)
 
 
-def flow(net: FabricNetwork, transport: str, nbytes: int) -> dict:
-    """One flow g0 -> g1: goodput and the sender's CPU."""
+def flow(net, transport: str, nbytes: int) -> dict:
+    """One flow g0 -> g1 on a running FabricNetwork: goodput and the sender's CPU."""
+    from lab.gpus import GpuAgents
     with GpuAgents(net, hosts=["g0", "g1"]) as gpus:
         [f] = gpus.transfers([("g0", "g1", nbytes)], transport)
         _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == "g0")
@@ -78,6 +79,7 @@ def flow(net: FabricNetwork, transport: str, nbytes: int) -> dict:
 
 
 def keeps_up(rate_mbps: float, r: dict) -> bool:
+    from lab.gpus import CPU_BOUND_FRACTION
     return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps
             and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
 
@@ -85,6 +87,7 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
 def measure(rates: tuple[float, ...] = SWEEP_MBPS,
             progress: Callable[[str], None] = print) -> Calibration:
     """Rate after rate until a host falls behind."""
+    from lab.network import FabricNetwork
     sweep, best = [], 0.0
     with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
         for rate in rates:

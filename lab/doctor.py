@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from shutil import which
 
-from lab import ovs
+from lab import calibrate, ovs
 
 SCRATCH_NS = "fl-doctor"
 
@@ -135,10 +135,23 @@ def can_run(caps: list[Capability]) -> bool:
 
 
 def as_dict(caps: list[Capability]) -> dict:
+    cal = calibrate.load()
     return {"can_run": can_run(caps),
             "ecn_mode_default": "red" if _get(caps, "qdisc-red") else "controller",
             "ovs_datapath": "kernel" if _get(caps, "ovs-kernel-datapath") else "user",
+            "calibration": {"keep_up_mbps": cal.keep_up_mbps, "machine_factor": cal.factor,
+                            "measured": cal.measured} if cal else None,
             "capabilities": [asdict(c) for c in caps]}
+
+
+def calibration_line(d: dict) -> str:
+    c = d["calibration"]
+    if c is None:
+        return ("machine speed: not calibrated (`fabriclab calibrate`, or the first tour, "
+                "measures it; until then the experiments run at their defaults)")
+    return (f"machine speed: GPU hosts keep up with {c['keep_up_mbps']:g} Mb/s "
+            f"(calibrated {c['measured']}): experiments' default rates and sizes "
+            f"x{c['machine_factor']:.2f}")
 
 
 def _get(caps: list[Capability], name: str) -> bool:
@@ -156,6 +169,7 @@ def render(caps: list[Capability]) -> str:
     d = as_dict(caps)
     lines.append(f"OVS datapath: {d['ovs_datapath']}; ECN marking default: "
                  f"{d['ecn_mode_default']}")
+    lines.append(calibration_line(d))
     lines.append("the lab can run" if d["can_run"] else
                  "the lab cannot run: fix the MISSING lines (sudo make demo installs them)")
     return "\n".join(lines)

@@ -135,3 +135,13 @@ def test_doctor_reports_this_kernel():
         assert caps["qdisc-red"] == ("CONFIG_NET_SCH_RED" in built)
         assert caps["qdisc-netem"] == ("CONFIG_NET_SCH_NETEM" in built)
     assert d["ecn_mode_default"] == ("red" if caps["qdisc-red"] else "controller")
+    # the suite's own reference calibration (conftest), read back by doctor
+    assert d["calibration"]["keep_up_mbps"] == 50 and d["calibration"]["machine_factor"] == 1
+
+
+def test_doctor_says_when_the_machine_is_not_calibrated(tmp_path):
+    from lab import calibrate
+    env = {**os.environ, calibrate.CALIBRATION_ENV: str(tmp_path / "none.json")}
+    r = fabriclab("doctor", env=env)
+    assert "machine speed: not calibrated (`fabriclab calibrate`" in r.stdout, r.stdout
+    assert json.loads(fabriclab("doctor", "--json", env=env).stdout)["calibration"] is None

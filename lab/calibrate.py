@@ -33,6 +33,7 @@ REFERENCE_KEEP_UP_MBPS = 50.0      # this machine keeps up with 100 (bench/trans
 SWEEP_MBPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
 FLOW_SECONDS = 1.0
 SIZE_FACTOR_FLOOR = 0.25           # messages shrink no further: a few packets say little
+MIN_FACTOR = 0.05                  # a machine that keeps up with nothing tried: rates / 20
 CALIBRATION_ENV = "FABRICLAB_CALIBRATION"    # where it is kept, if not the default
 DEFAULT_CALIBRATION_FILE = "/var/cache/fabriclab/calibration.json"
 
@@ -46,7 +47,7 @@ class Calibration:
 
     @property
     def factor(self) -> float:
-        return min(1.0, self.keep_up_mbps / REFERENCE_KEEP_UP_MBPS)
+        return max(MIN_FACTOR, min(1.0, self.keep_up_mbps / REFERENCE_KEEP_UP_MBPS))
 
 
 def machine() -> dict:

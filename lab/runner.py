@@ -274,10 +274,13 @@ def run(name: str, settings: list[str], out: Path | None = None,
     claims = mod.claims(params, metrics)
     warnings = []
     if metrics.get("cpu_bound_hosts"):
+        remedy = ("run `fabriclab calibrate` once so the defaults fit this machine"
+                  if calibrate.load() is None else
+                  "this machine is calibrated, but a run with more hosts than the "
+                  "calibration's two needs lower rates still")
         warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "
                         f"NICs could not keep up, so timings there are not faithful; lower "
-                        f"the link rates (--set host_rate_mbps=...), or run `fabriclab "
-                        f"calibrate` once so the defaults fit this machine")
+                        f"the link rates (--set host_rate_mbps=...); {remedy}")
         progress("warning: " + warnings[-1])
     result = {
         "experiment": name,

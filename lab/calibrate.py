@@ -9,8 +9,8 @@ is at least KEEPS_UP_FRACTION of the line and its CPU below CPU_BOUND_FRACTION),
 
 The experiments' default rates and sizes were chosen on a machine whose hosts keep up
 with REFERENCE_KEEP_UP_MBPS (they put up to nine agents at 10 Mb/s on two cores). On a
-slower machine (a software-emulated CPU, a busy laptop) `machine_factor()` is below 1
-and the runner scales those defaults down by it: link rates (rate_scale up, so a link
+slower machine (a software-emulated CPU, a busy laptop) a calibration's `factor` is
+below 1 and the runner scales those defaults down by it: link rates (rate_scale up, so a link
 still stands for the same real rate) and message sizes (so a run takes as long), never
 what the user sets.
 """
@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from traffic.constants import DEFAULT_MTU_BYTES, MRC_MAX_PACKETS_PER_MESSAGE
 
 # (the fabric and the agents are imported where a measurement needs them: `doctor` reads
 # a calibration on machines where Mininet is still missing)
@@ -94,7 +96,9 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
         for rate in rates:
             with FabricNetwork(two_hosts(rate), Path(tmp) / f"r{rate:g}",
                                progress=lambda m: None) as net:
-                r = flow(net, "mrc", int(rate * 1e6 / 8 * FLOW_SECONDS))
+                # one MRC message, so no more packets than its header can count
+                r = flow(net, "mrc", min(int(rate * 1e6 / 8 * FLOW_SECONDS),
+                                         MRC_MAX_PACKETS_PER_MESSAGE * DEFAULT_MTU_BYTES))
             ok = keeps_up(rate, r)
             sweep.append({"rate_mbps": rate, **{k: round(v, 3) if isinstance(v, float) else v
                                                 for k, v in r.items()}, "keeps_up": ok})
@@ -126,13 +130,6 @@ def load() -> Calibration | None:
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
     return c if c.machine == machine() else None
-
-
-def machine_factor() -> float:
-    """How much the experiments' default rates and sizes are scaled on this machine:
-    1 where uncalibrated or fast enough."""
-    c = load()
-    return c.factor if c else 1.0
 
 
 def size_factor(factor: float) -> float:

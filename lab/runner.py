@@ -222,10 +222,11 @@ def run(name: str, settings: list[str], out: Path | None = None,
     """capture: switch ports to record (lab/capture.py); live: print the hottest
     queues every second while the experiment runs."""
     mod = load(name)
-    factor = calibrate.machine_factor()
+    calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
+    factor = calibration.factor if calibration else 1.0
     params, topo_params, queue_params = split_settings(mod, settings, factor)
     if factor < 1:
-        progress(f"this machine's GPU hosts keep up with {calibrate.load().keep_up_mbps:g} "
+        progress(f"this machine's GPU hosts keep up with {calibration.keep_up_mbps:g} "
                  f"Mb/s (fabriclab calibrate): default link rates x{factor:.2f}, message "
                  f"sizes x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}")
     topo = TOPOLOGIES[params.topology](topo_params)
@@ -275,7 +276,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
     warnings = []
     if metrics.get("cpu_bound_hosts"):
         remedy = ("run `fabriclab calibrate` once so the defaults fit this machine"
-                  if calibrate.load() is None else
+                  if calibration is None else
                   "this machine is calibrated, but a run with more hosts than the "
                   "calibration's two needs lower rates still")
         warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "

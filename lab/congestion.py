@@ -11,10 +11,12 @@ Thresholds are in bytes of the emulated queues; the defaults suit the default
 64 KB RoCE buffer. ECN marks from Kmin 2 KB to Kmax 16 KB with Pmax 0.2 (HPCC's
 DCQCN setting), so DCQCN holds the queue at a few frames. XOFF at 8 KB leaves
 56 KB of headroom: what arrives between the queue crossing XOFF and the pause
-taking hold. In this emulation that is the controller's sampling (1 ms, up to
-~4 ms late under load) plus the frame's trip: measured in the 8-to-1 incast, 8
-senders resuming together filled 40-50 KB before the pause held, so XOFF at
-14 KB overflowed now and then and 8 KB did not (3 of 3 runs).
+taking hold. In this emulation that is the controller's sampling (1 ms; p99 of
+the gaps 2 ms, the longest 4-7 ms in the 8-to-1 incast) plus the frame's trip:
+there 8 senders resuming together filled 40-58 KB before the pause held, so XOFF
+at 14 KB overflowed now and then and 8 KB did not. (A sampling gap of 21 ms
+overflowed it too, in 2 runs of 3, until the controller stopped writing its
+state files from the sampling thread.)
 
 PFC protects the priorities listed in `lossless` ("3": RoCE data), each with its own
 XOFF/XON: "3,0:12/6" makes priority 0 lossless too, pausing at 12 KB and resuming at
@@ -34,6 +36,13 @@ from lab.errors import LabError, UsageError
 from traffic.constants import PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "controller", "off")
+# The controller's sampling period on the reference machine. On a slower one the runner
+# lowers the link rates (lab/calibrate.py) and the period stretches with them: its
+# marking lag is part of the control loop DCQCN's constants were tuned on
+# (traffic/dcqcn.py). Measured with the 8-to-1 incast at x0.10 rates (1 Mb/s, 1200 KB
+# flows): sampling every 1 ms left a sender 33% off the fair share, every 10 ms 7% and
+# 12% (2 runs), as the incast does at full rate and 1 ms.
+REFERENCE_SAMPLE_MS = 1.0
 
 
 @dataclass
@@ -47,7 +56,8 @@ class CongestionParams:
     xon_kb: float = 4.0
     lossless: str = str(PRIORITY_ROCE_DATA)   # PFC priorities: "PRIO[:XOFF_KB/XON_KB],..."
     pause_quanta: int = 0xFFFF
-    sample_ms: float = 1.0      # how often the controller reads the queues
+    sample_ms: float = 0.0      # how often the controller reads the queues; 0: auto,
+    # REFERENCE_SAMPLE_MS stretched on a machine slower than the reference (see below)
     watchdog_ms: float = 500.0  # report a queue paused longer than this
 
     def thresholds_kb(self) -> dict[int, tuple[float, float]]:
@@ -79,8 +89,11 @@ class CongestionParams:
             if not 0 < xon < xoff < buffer_kb:
                 raise UsageError(f"need 0 < xon_kb < xoff_kb < the buffer of priority {prio} "
                                  f"({buffer_kb:g} KB); got xon_kb={xon}, xoff_kb={xoff}")
-        if self.sample_ms <= 0:
-            raise UsageError("sample_ms must be positive")
+        if self.sample_ms < 0:
+            raise UsageError("sample_ms must be positive (or 0: the machine's default)")
+
+    def sample_period_ms(self, machine_factor: float) -> float:
+        return self.sample_ms or REFERENCE_SAMPLE_MS / machine_factor
 
     def red(self) -> queues.RedParams:
         return queues.RedParams(self.kmin_kb, self.kmax_kb, self.pmax)
@@ -122,7 +135,7 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
               "pmax": params.pmax, "pfc": params.pfc,
               "lossless": {str(prio): [int(xoff * 1024), int(xon * 1024)]
                            for prio, (xoff, xon) in params.thresholds_kb().items()},
-              "pause_quanta": params.pause_quanta, "sample_ms": params.sample_ms,
+              "pause_quanta": params.pause_quanta, "sample_ms": params.sample_period_ms(net.machine_factor),
               "watchdog_ms": params.watchdog_ms,
               "queue": dataclasses.asdict(net.queue_params),
               "host_pids": {h.name: net.host_pid(h.name) for h in net.fabric.hosts}}

@@ -39,8 +39,10 @@ def _raise_terminated(signum, frame):
 
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
-                 progress=print, verbose: bool = False, controller_runtime: str = "os-ken"):
+                 progress=print, verbose: bool = False, controller_runtime: str = "os-ken",
+                 machine_factor: float = 1.0):
         self.topo = topo
+        self.machine_factor = machine_factor   # lab/calibrate.py: < 1 on a slower machine
         self.fabric = topo.fabric
         self.workdir = Path(workdir)
         self.queue_params = queue_params or queues.QueueParams()

@@ -228,7 +228,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
     if factor < 1:
         progress(f"this machine's GPU hosts keep up with {calibration.keep_up_mbps:g} "
                  f"Mb/s (fabriclab calibrate): default link rates x{factor:.2f}, message "
-                 f"sizes x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}")
+                 f"sizes x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}, "
+                 f"queue sampling / {factor:.2f}")
     topo = TOPOLOGIES[params.topology](topo_params)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path(out) if out else RESULTS_DIR / f"{name}-{stamp}"
@@ -252,7 +253,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
     t0 = time.monotonic()
     with RunLock(f"fabriclab run {name}"):
         with FabricNetwork(topo, workdir, queue_params, progress=progress,
-                           controller_runtime=controller_runtime) as net:
+                           controller_runtime=controller_runtime,
+                           machine_factor=factor) as net:
             config["datapath"] = net.datapath
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")

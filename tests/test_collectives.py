@@ -42,7 +42,12 @@ def test_allreduce_experiment_checks_its_claims(tmp_path, algorithm, topology):
     m = json.loads((out / "metrics.json").read_text())
     assert m["passed"] and m["metrics"]["n"] == 6
     assert m["metrics"]["time_s"] >= m["metrics"]["model_time_s"] > 0
-    assert 0 < m["metrics"]["busbw_over_link"] < 1.0
+    # nothing beats the wire: a flat algorithm's busbw stays under its link's rate; the
+    # hierarchical one's may pass the scale-out link's (most of its bytes ride scale-up,
+    # and the model bound above holds it)
+    assert m["metrics"]["busbw_over_link"] > 0
+    if algorithm != "hier":
+        assert m["metrics"]["busbw_over_link"] < 1.0
 
 
 def test_ecmp_vs_spray(tmp_path):

@@ -38,19 +38,24 @@ def test_routes_skip_a_failed_link():
 
 
 @pytest.mark.parametrize("workload", ["allreduce", "transfer"])
-def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload):
+def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, pace):
+    # sizes and times at the machine's pace: on a slower machine the rates are lower, so
+    # the failure and the reroute must come later for a ring step to outlast them
     out = tmp_path / "lf"
-    r = fabriclab("run", "link-failure", "--set", f"workload={workload}", "--set", "flow_kb=900",
-                  "--set", "allreduce_kb=512", "--set", "fail_after_s=0.4",
-                  "--set", "reroute_delay_ms=800", "--out", str(out), timeout=600)
+    reroute_s = pace.s(0.8)
+    r = fabriclab("run", "link-failure", "--set", f"workload={workload}",
+                  "--set", f"flow_kb={pace.kb(900)}", "--set", f"allreduce_kb={pace.kb(512)}",
+                  "--set", f"fail_after_s={pace.s(0.4)}",
+                  "--set", f"reroute_delay_ms={reroute_s * 1000:g}", "--out", str(out),
+                  timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     rc, mrc = m["rc"], m["mrc"]
     assert rc["intact"] and mrc["intact"], r.stdout
-    assert rc["rerouted_after_s"] >= 0.8 and mrc["rerouted_after_s"] >= 0.8
+    assert rc["rerouted_after_s"] >= reroute_s and mrc["rerouted_after_s"] >= reroute_s
     # RC's pinned QP waits for the reroute (in a ring the other flows first finish their
     # step, so the collective's stall is shorter); MRC retires the dead EV and goes on
-    assert rc["stall_s"] >= (0.6 if workload == "transfer" else 0.3), r.stdout
+    assert rc["stall_s"] >= pace.s(0.6 if workload == "transfer" else 0.3), r.stdout
     assert mrc["stall_s"] < 0.5 * rc["stall_s"], r.stdout
     assert mrc["completion_s"] < rc["completion_s"], r.stdout
     assert mrc["evs_retired"] >= 1

@@ -93,6 +93,9 @@ def test_dscp_picks_the_class_on_every_switch_port(tmp_path):
                 assert _gate(nl.qdiscs(), intf, prio).rate_bytes_s == \
                     queues.gate_rate_bytes_s(g1.rate_mbps)
         for prio, tos in DSCP_TOS.items():
+            # first packets of a flow go through OVS's flow setup (with the kernel datapath
+            # under a software CPU: 50 ms, and a fresh VM lost one of the 20)
+            _ping(net, "g0", "g1", tos, count=3)
             before = {p: _gate(nl.qdiscs(), port, p).packets for p in DSCP_TOS}
             assert " 0% packet loss" in _ping(net, "g0", "g1", tos)
             sent = {p: _gate(nl.qdiscs(), port, p).packets - before[p] for p in DSCP_TOS}
@@ -260,7 +263,10 @@ def test_incast_drops_then_ecn_marks_then_pfc_is_lossless(tmp_path, machine_fact
         pfc = mx[v]
         assert pfc["drops_packets"] == 0 and pfc["pause_frames_sent"] > 0, r.stdout
         assert pfc["sender_pause_frames_received"] > 0
-    assert mx["pfc"]["receiver_naks"] == 0      # no gap at any receiver: nothing lost anywhere
+        # lossless on every queue, and no gap at any receiver
+        assert pfc["drops_elsewhere"] == {} and pfc["receiver_naks"] == 0, \
+            {k: pfc[k] for k in ("drops_elsewhere", "receiver_naks", "timeouts",
+                                 "retransmitted_packets", "backlog_bytes_max")}
     for key in ("drops_packets", "ce_marked_packets", "pause_frames_sent", "backlog_bytes_p50",
                 "backlog_bytes_p99", "cnp_packets", "sender_rates_pps"):
         assert key in ecn and key in pfc

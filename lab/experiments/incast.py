@@ -172,7 +172,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     time.sleep(SETTLE_S)
     after = controller_counts(read_state(net), recv_if.switch, recv_if.port)
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
-    q = ctx.telemetry.summary(t0, t1).get(key, {})
+    queues_seen = ctx.telemetry.summary(t0, t1)
+    q = queues_seen.get(key, {})
     # the steady part: the second half of the time until the first sender finishes
     # (the first half holds the start-up transient: the burst, then DCQCN's first cuts)
     finished = [f["completion_s"] for f in flows if f["completion_s"] is not None]
@@ -190,6 +191,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
         "bottleneck": key,
         "drops_packets": q.get("drops_packets", 0),
+        "drops_elsewhere": {k: s["drops_packets"] for k, s in queues_seen.items()
+                            if k != key and s["drops_packets"]},
         "ce_marked_packets": marks,
         "pause_frames_sent": after["pause_frames_sent"] - before["pause_frames_sent"],
         "backlog_bytes_p50": held.get("backlog_bytes_p50", 0),

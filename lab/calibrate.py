@@ -134,9 +134,3 @@ def load() -> Calibration | None:
 
 def size_factor(factor: float) -> float:
     return max(factor, SIZE_FACTOR_FLOOR)
-
-
-def time_factor(factor: float) -> float:
-    """How much longer a transfer takes on such a machine: its message, scaled by
-    size_factor, over links scaled by factor (x2.5 at factor 0.1)."""
-    return size_factor(factor) / factor

@@ -57,7 +57,7 @@ class CongestionParams:
     lossless: str = str(PRIORITY_ROCE_DATA)   # PFC priorities: "PRIO[:XOFF_KB/XON_KB],..."
     pause_quanta: int = 0xFFFF
     sample_ms: float = 0.0      # how often the controller reads the queues; 0: auto,
-    # REFERENCE_SAMPLE_MS stretched on a machine slower than the reference (see below)
+    # REFERENCE_SAMPLE_MS stretched on a machine slower than the reference (see it above)
     watchdog_ms: float = 500.0  # report a queue paused longer than this
 
     def thresholds_kb(self) -> dict[int, tuple[float, float]]:
@@ -135,7 +135,8 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
               "pmax": params.pmax, "pfc": params.pfc,
               "lossless": {str(prio): [int(xoff * 1024), int(xon * 1024)]
                            for prio, (xoff, xon) in params.thresholds_kb().items()},
-              "pause_quanta": params.pause_quanta, "sample_ms": params.sample_period_ms(net.machine_factor),
+              "pause_quanta": params.pause_quanta,
+              "sample_ms": params.sample_period_ms(net.machine_factor),
               "watchdog_ms": params.watchdog_ms,
               "queue": dataclasses.asdict(net.queue_params),
               "host_pids": {h.name: net.host_pid(h.name) for h in net.fabric.hosts}}

@@ -1,7 +1,7 @@
 import os
 import subprocess
-from dataclasses import dataclass
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,9 +37,11 @@ def machine_factor(machine_calibration) -> float:
 @pytest.fixture
 def pace(machine_factor):
     """A test's own sizes and times, set for the reference machine, scaled as the runner
-    scales an experiment's defaults (sizes shrink, so transfers take time_factor longer)."""
+    scales an experiment's defaults: sizes by size_factor over links slowed by the
+    machine factor, so a transfer takes size/factor longer (x2.5 at factor 0.1)."""
     from lab import calibrate
-    return Pace(calibrate.size_factor(machine_factor), calibrate.time_factor(machine_factor))
+    size = calibrate.size_factor(machine_factor)
+    return Pace(size, size / machine_factor)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import Parsed, immdt, reth
 
 _SACKX = struct.Struct("!QHBBI")
+LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
 EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES}     # for roce.parse
 
 
@@ -84,7 +85,7 @@ class EvState:
     retirements: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Inflight:
     seq: int
     sent_at: float
@@ -104,11 +105,14 @@ class MrcQP(QueuePair):
         if len(p.evs) < p.min_active_evs:
             raise ValueError(f"{len(p.evs)} EVs is fewer than min_active_evs={p.min_active_evs}")
         self.evs = [EvState(port) for port in p.evs]
+        self.good_evs = list(self.evs)  # kept in step with the statuses (_statuses_changed)
         self.ev_turn = 0
         # sender
         self.snd_cum = 0                # every seq below is acknowledged
         self.snd_nxt = 0                # next new seq
         self.snd_end = 0
+        # in the order sent (a resent packet moves to the end): the oldest are first,
+        # so timers and loss detection look at the front only
         self.inflight: dict[int, Inflight] = {}
         self.retx: list[int] = []
         self.tx_index = 0
@@ -145,12 +149,18 @@ class MrcQP(QueuePair):
     def active_evs(self) -> list[EvState]:
         return [ev for ev in self.evs if ev.status != "bad"]
 
+    def _statuses_changed(self) -> None:
+        self.good_evs = [ev for ev in self.evs if ev.status == "good"]
+
     def _pick_ev(self, now: float, avoid: EvState | None = None) -> EvState:
-        for ev in self.evs:   # a retired EV is probed once its time has come
-            if ev.status == "bad" and now - ev.retired_at >= self.params.ev_probe_after_ms / 1000:
-                ev.status = "probing"
-                return ev
-        active = [ev for ev in self.active_evs() if ev.status == "good"] or self.active_evs()
+        if len(self.good_evs) < len(self.evs):
+            for ev in self.evs:   # a retired EV is probed once its time has come
+                if ev.status == "bad" and \
+                        now - ev.retired_at >= self.params.ev_probe_after_ms / 1000:
+                    ev.status = "probing"
+                    self._statuses_changed()
+                    return ev
+        active = self.good_evs or self.active_evs()
         for _ in range(len(active)):
             ev = active[self.ev_turn % len(active)]
             self.ev_turn += 1
@@ -161,7 +171,7 @@ class MrcQP(QueuePair):
     def next_frame(self, now: float) -> bytes:
         if self.retx:
             seq = self.retx.pop(0)
-            old = self.inflight.get(seq)
+            old = self.inflight.pop(seq, None)
             ev = self._pick_ev(now, avoid=old.ev if old else None)
             self.counters.retransmitted += 1
         else:
@@ -180,20 +190,24 @@ class MrcQP(QueuePair):
                                       + immdt(imm), payload=payload)
 
     def deadline(self) -> float | None:
-        if not self.inflight:
-            return None
-        return min(f.sent_at for f in self.inflight.values()) + self.params.rto_ms / 1000
+        for f in self.inflight.values():     # the oldest still waiting for its answer
+            if f.sent_at != LOST:
+                return f.sent_at + self.params.rto_ms / 1000
+        return None
 
     def on_timer(self, now: float) -> None:
         rto = self.params.rto_ms / 1000
-        for f in list(self.inflight.values()):
-            if now - f.sent_at >= rto and f.seq not in self.retx:
-                self.counters.timeouts += 1
-                self._lost(f, now)
+        for f in self.inflight.values():
+            if f.sent_at == LOST:
+                continue
+            if now - f.sent_at < rto:
+                break                          # and so is every later one
+            self.counters.timeouts += 1
+            self._lost(f, now)
 
     def _lost(self, f: Inflight, now: float) -> None:
         self.retx.append(f.seq)
-        f.sent_at = float("inf")          # not lost twice before it is resent
+        f.sent_at = LOST                  # not lost twice before it is resent
         ev = f.ev
         ev.lost += 1
         ev.failures += 1
@@ -202,6 +216,7 @@ class MrcQP(QueuePair):
             if ev.status != "bad":
                 ev.retirements += 1
             ev.status, ev.retired_at, ev.failures = "bad", now, 0
+            self._statuses_changed()
         self._decrease(now)
 
     def _decrease(self, now: float) -> None:
@@ -212,20 +227,26 @@ class MrcQP(QueuePair):
 
     def _on_sack(self, p: Parsed, now: float) -> None:
         bitmap, _ev_port, flags, _, credit = _SACKX.unpack_from(p.ext)
-        cum = self.snd_cum + psn_delta(p.psn, self.snd_cum)
-        newly = [s for s in list(self.inflight) if s < cum]
+        # (never past what was sent: a broken SACK must not acknowledge the future)
+        cum = min(self.snd_nxt, self.snd_cum + psn_delta(p.psn, self.snd_cum))
+        newly = [s for s in range(self.snd_cum, cum) if s in self.inflight]
         base = cum + 1
-        newly += [base + i for i in range(MRC_SACK_BITMAP_BITS)
-                  if bitmap >> i & 1 and base + i in self.inflight]
+        bitmap &= (1 << MRC_SACK_BITMAP_BITS) - 1
+        while bitmap:                      # the bits set, lowest first
+            low = bitmap & -bitmap
+            if base + low.bit_length() - 1 in self.inflight:
+                newly.append(base + low.bit_length() - 1)
+            bitmap ^= low
         for seq in newly:
             f = self.inflight.pop(seq)
             if seq in self.retx:
                 self.retx.remove(seq)
-            if f.sent_at != float("inf"):
+            if f.sent_at != LOST:
                 self._rtt_sample(now - f.sent_at, now)
             f.ev.failures = 0
             if f.ev.status == "probing":
                 f.ev.status = "good"      # the probe got through: readmitted
+                self._statuses_changed()
             self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
             self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
         if cum > self.snd_cum:
@@ -236,9 +257,11 @@ class MrcQP(QueuePair):
         if flags & MRC_SACK_FLAG_ECN_ECHO:
             self.ecn_echoes += 1
             self._decrease(now)
-        for f in list(self.inflight.values()):   # holes passed by later packets are losses
-            if f.tx_index + self.params.reorder_packets < self.max_acked_tx \
-                    and f.sent_at != float("inf"):
+        passed = self.max_acked_tx - self.params.reorder_packets
+        for f in self.inflight.values():   # holes passed by later packets are losses
+            if f.tx_index >= passed:
+                break                      # in the order sent: so is every later one
+            if f.sent_at != LOST:
                 self._lost(f, now)
 
     def _rtt_sample(self, rtt: float, now: float) -> None:

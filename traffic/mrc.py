@@ -231,11 +231,11 @@ class MrcQP(QueuePair):
         cum = min(self.snd_nxt, self.snd_cum + psn_delta(p.psn, self.snd_cum))
         newly = [s for s in range(self.snd_cum, cum) if s in self.inflight]
         base = cum + 1
-        bitmap &= (1 << MRC_SACK_BITMAP_BITS) - 1
-        while bitmap:                      # the bits set, lowest first
+        while bitmap:                      # the bits set (of 64: _SACKX), lowest first
             low = bitmap & -bitmap
-            if base + low.bit_length() - 1 in self.inflight:
-                newly.append(base + low.bit_length() - 1)
+            seq = base + low.bit_length() - 1
+            if seq in self.inflight:
+                newly.append(seq)
             bitmap ^= low
         for seq in newly:
             f = self.inflight.pop(seq)

@@ -116,6 +116,8 @@ class Framer:
         hdrs = _HDRS.pack(0x45, self.tos, ip_len, ip_id, 0x4000, IP_TTL, socket.IPPROTO_UDP,
                           csum, self.src_ip, self.dst_ip, sport, ROCE_V2_UDP_PORT, udp_len, 0,
                           opcode, pad << 4, DEFAULT_PKEY, becn << 30 | qp_word, psn_word)
+        # the same with what icrc() masks set to ones: TOS, TTL, both checksums, the
+        # FECN/BECN byte
         masked = _HDRS.pack(0x45, 0xFF, ip_len, ip_id, 0x4000, 0xFF, socket.IPPROTO_UDP,
                             0xFFFF, self.src_ip, self.dst_ip, sport, ROCE_V2_UDP_PORT, udp_len,
                             0xFFFF, opcode, pad << 4, DEFAULT_PKEY, 0xFF000000 | qp_word,

@@ -40,6 +40,21 @@ def kernel_datapath_available() -> bool:
     return _ok(["genl", "ctrl", "get", "name", "ovs_datapath"])
 
 
+def datapath_lost_packets() -> int:
+    """Packets OVS's datapaths lost on flow-table misses (the upcall to ovs-vswitchd
+    failed: its queue was full), summed over the machine's datapaths. No queue counts
+    these: in the kernel datapath a new flow's first packets wait for ovs-vswitchd,
+    and under a slow CPU that queue overflows."""
+    try:
+        out = subprocess.run(["ovs-appctl", "dpctl/show"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(int(word.split(":")[1]) for line in out.splitlines()
+               if line.strip().startswith("lookups:")
+               for word in line.split() if word.startswith("lost:"))
+
+
 def datapath() -> str:
     """'kernel' or 'user'."""
     forced = os.environ.get("FABRICLAB_DATAPATH")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import fabriclab
-from lab import queues, tcnl
+from lab import ovs, queues, tcnl
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import LabError
 from lab.network import FabricNetwork
@@ -235,6 +235,14 @@ def test_telemetry_samples_every_few_ms(tmp_path):
     busy = tel.summary()
     assert any(k.endswith(f":{PRIORITY_ROCE_DATA}") and v["sent_packets"] >= 20
                for k, v in busy.items())
+
+
+def test_datapath_lost_packets_sums_every_datapath(monkeypatch):
+    shown = ("netdev@ovs-netdev:\n  lookups: hit:10 missed:5 lost:3\n  flows: 1\n"
+             "system@ovs-system:\n  lookups: hit:7 missed:2 lost:4\n")
+    monkeypatch.setattr(ovs.subprocess, "run",
+                        lambda *a, **kw: subprocess.CompletedProcess(a, 0, shown, ""))
+    assert ovs.datapath_lost_packets() == 7
 
 
 # --- the experiments, small -----------------------------------------------------------

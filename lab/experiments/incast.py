@@ -19,6 +19,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
+from lab import ovs
 from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
@@ -39,6 +40,7 @@ FAIRNESS_TOLERANCE = 0.20
 STEADY_FROM = 0.5
 FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
+DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-table misses
 
 # flow_kb does not shrink on a slow machine (lab/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
@@ -164,6 +166,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, p.dcqcn_time_scale)
     scale = rc["rate_scale"]
     limited = variant == "none"
+    lost0 = ovs.datapath_lost_packets()
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
                            params=rc, allow_timeout=limited,
@@ -171,9 +174,14 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     t1 = time.time()
     time.sleep(SETTLE_S)
     after = controller_counts(read_state(net), recv_if.switch, recv_if.port)
+    lost = ovs.datapath_lost_packets() - lost0
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
     queues_seen = ctx.telemetry.summary(t0, t1)
     q = queues_seen.get(key, {})
+    elsewhere = {k: s["drops_packets"] for k, s in queues_seen.items()
+                 if k != key and s["drops_packets"]}
+    if lost:
+        elsewhere[DATAPATH_LOST] = lost
     # the steady part: the second half of the time until the first sender finishes
     # (the first half holds the start-up transient: the burst, then DCQCN's first cuts)
     finished = [f["completion_s"] for f in flows if f["completion_s"] is not None]
@@ -191,8 +199,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
         "bottleneck": key,
         "drops_packets": q.get("drops_packets", 0),
-        "drops_elsewhere": {k: s["drops_packets"] for k, s in queues_seen.items()
-                            if k != key and s["drops_packets"]},
+        "drops_elsewhere": elsewhere,
         "ce_marked_packets": marks,
         "pause_frames_sent": after["pause_frames_sent"] - before["pause_frames_sent"],
         "backlog_bytes_p50": held.get("backlog_bytes_p50", 0),

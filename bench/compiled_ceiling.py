@@ -28,7 +28,6 @@ from transport import FAST_PATH_MBPS
 SOURCE = Path(__file__).with_name("rc_burst.c")
 FRAMES = 40000
 BURSTS = (16, 32)
-OPCODE_WRITE_MIDDLE = 0x07
 
 
 def build(out_dir: Path) -> Path:
@@ -50,19 +49,19 @@ def load(lib: Path):
 
 def inside(intf: str, mac: str, next_hop: str, src: str, dst: str, lib: str) -> None:
     """Runs in g0's namespace: check the C frames, then time the three senders."""
-    from traffic.constants import DEFAULT_MTU_BYTES as MTU, DSCP_ROCE_DATA, Ecn
-    from traffic.roce import Framer, Path as RocePath
+    from traffic.constants import BTH_BYTES, DEFAULT_MTU_BYTES as MTU, DSCP_ROCE_DATA, Ecn, Opcode
+    from traffic.roce import BTH_OFFSET, Framer, Path as RocePath
     c = load(Path(lib))
     framer = Framer(RocePath(mac, next_hop, src, dst), DSCP_ROCE_DATA, Ecn.ECT_0)
     payload = bytes(range(256)) * (MTU // 256) * (FRAMES + max(BURSTS))
     sport, qpn = 0xC000, 0x12
 
     def python_frame(psn: int) -> bytes:
-        return framer.frame(sport, OPCODE_WRITE_MIDDLE, qpn, psn,
+        return framer.frame(sport, Opcode.RDMA_WRITE_MIDDLE, qpn, psn,
                             payload=payload[psn * MTU:(psn + 1) * MTU])
 
     first = python_frame(0)
-    template = first[:54]
+    template = first[:BTH_OFFSET + BTH_BYTES]      # the headers rc_burst.c patches
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     framer.ip_id = 0
     expected = [python_frame(psn) for psn in range(8)]

@@ -1,8 +1,23 @@
 """CongestionControl: ECN marking and PFC for the fabric's switches (os-ken app).
 
-It watches the switches' real kernel queues (lab/queues.py: per-priority htb
-classes, each behind a tbf gate) through one rtnetlink dump every `sample_ms`,
-and acts like a switch's congestion hardware:
+Where the lab runs its per-packet data path (lab/dataplane.py: tc BPF programs on
+every switch port, config["dataplane"] true), the app sets the policy in the
+programs' table and reacts to what they signal through a ring buffer:
+
+ECN, mode "bpf". The port's program marks CE per packet with RED's probability
+of the average backlog; the app only writes Kmin, Kmax, Pmax and RED's weight.
+Counts come from the program (a marked frame is a frame that was sent).
+
+PFC. The program signals XOFF the moment a lossless priority's backlog passes
+its threshold, and XON when it falls below the resume threshold. The app sends a
+real 802.1Qbb frame out of every other port of that switch, on the wire
+(htb-direct: a MAC control frame waits behind no queue). The neighbour's ingress
+program sees the frame arrive and signals it; the app then closes that port's
+gate (a switch port, or a GPU host's NIC), as the neighbour's MAC would. No
+packet-in path, no sampling: the reaction is two wake-ups of this thread
+(state["reaction"] holds its distribution).
+
+Without the data path (a kernel without BPF), it samples the queues instead:
 
 ECN, mode "controller" (for kernels without sch_red). Per egress port and
 sample interval it draws "mark" with RED's probability for the RoCE class's
@@ -37,6 +52,7 @@ import gc
 import json
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -51,7 +67,7 @@ from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 
 from controllers.fabric_router import EGRESS_TABLE, PRIORITY_EGRESS_MARK, logged
-from lab import netns, queues, tcnl
+from lab import dataplane, netns, queues, tcnl
 from topologies.fabric import Fabric
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA, Ecn
@@ -65,6 +81,9 @@ STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
 REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 LOCAL_EXPERIMENTAL_ETHERTYPE = 0x88B5   # IEEE 802: for local experiments, never routed
+# SO_PRIORITY naming the htb root itself (1:0): htb sends the frame directly, ahead of
+# its classes, as a MAC sends control frames ahead of its queues
+HTB_DIRECT_PRIORITY = 0x10000
 KICK_FRAME = (b"\xff" * 6 + b"\x02\xfc\x00\x00\x00\x00"
               + LOCAL_EXPERIMENTAL_ETHERTYPE.to_bytes(2, "big") + b"\0" * 46)
 
@@ -83,6 +102,8 @@ class Config:
     watchdog_ms: float = 500.0
     queue: dict = field(default_factory=dict)        # lab/queues.py QueueParams, as a dict
     host_pids: dict = field(default_factory=dict)    # GPU host -> a process in its namespace
+    dataplane: bool = False          # the per-packet BPF data path is attached (lab/dataplane.py)
+    red_wlog: int = 0                # RED's EWMA weight 2^-wlog (ecn "bpf")
 
     @property
     def queues(self) -> queues.QueueParams:
@@ -95,7 +116,12 @@ class Config:
 
     @property
     def active(self) -> bool:
-        return self.ecn == "controller" or self.pfc
+        """The sampling loop has work: marking or PFC without the data path."""
+        return self.ecn == "controller" or (self.pfc and not self.dataplane)
+
+    @property
+    def needs_realtime(self) -> bool:
+        return self.active or (self.dataplane and (self.pfc or self.ecn == "bpf"))
 
     def mark_probability(self, backlog: int) -> float:
         """RED's marking curve over the (instantaneous) backlog."""
@@ -108,8 +134,12 @@ class Config:
 
 @dataclass
 class PortCounters:
-    pause_frames_sent: int = 0
+    pause_frames_sent: int = 0         # PFC frames, pausing (XOFF) or resuming (XON)
     pause_frames_received: int = 0
+    xoff_frames_sent: int = 0
+    xon_frames_sent: int = 0
+    xoff_frames_received: int = 0
+    xon_frames_received: int = 0
     paused_s: float = 0.0
     ce_marked_packets: int = 0
 
@@ -129,6 +159,7 @@ class Port:
     ifindex: int | None = None
     nl: tcnl.Netlink | None = None
     kick_sock: socket.socket | None = None
+    pfc_sock: socket.socket | None = None
 
 
 class CongestionControl(app_manager.OSKenApp):
@@ -157,6 +188,12 @@ class CongestionControl(app_manager.OSKenApp):
         self.lock = threading.RLock()
         self.write_lock = threading.Lock()
         self.gate_nl = tcnl.Netlink()
+        self.table: dataplane.PortTable | None = None     # the data path's, once attached
+        self.ring = None
+        self.slots = dataplane.slots(self.fabric)
+        self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
+        self.reaction = {"signal": GapHistogram(), "pause": GapHistogram()}
+        self.pausing: dict[tuple[str, int], tuple[float, set]] = {}   # XOFF -> gates to close
         if self.config_file:
             self.event_log = open(self.config_file.with_name("congestion-events.jsonl"), "a")
             self.state_file = self.config_file.with_name("congestion-state.json")
@@ -204,8 +241,8 @@ class CongestionControl(app_manager.OSKenApp):
     @logged
     def packet_in(self, ev):
         msg = ev.msg
-        if not pause.is_mac_control(msg.data):
-            return
+        if self.config.dataplane or not pause.is_mac_control(msg.data):
+            return      # with the data path, the port's ingress program signals the frame
         sw = next((s.name for s in self.fabric.switches if s.dpid == msg.datapath.id), None)
         port = self.ports.get((sw, msg.match["in_port"]))
         quanta = pause.parse(msg.data)
@@ -214,7 +251,12 @@ class CongestionControl(app_manager.OSKenApp):
         with self.lock:
             now = time.time()
             for prio, q in quanta.items():
-                self.count(port, prio).pause_frames_received += 1
+                c = self.count(port, prio)
+                c.pause_frames_received += 1
+                if q:
+                    c.xoff_frames_received += 1
+                else:
+                    c.xon_frames_received += 1
                 if q:
                     until = now + q * pause.quantum_s(port.rate_mbps * 1e6)
                     self.close_gate(port, prio, until, now)
@@ -297,6 +339,9 @@ class CongestionControl(app_manager.OSKenApp):
 
     def send_pfc(self, congested: Port, prio: int, quanta: int) -> None:
         """A PFC frame for `prio` out of every port that can feed `congested`."""
+        if self.config.dataplane:
+            self.send_pfc_on_wire(congested, prio, quanta)
+            return
         dp = self.datapaths.get(congested.dpid)
         if dp is None:
             return
@@ -309,7 +354,12 @@ class CongestionControl(app_manager.OSKenApp):
                                             match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
                                             actions=[parser.OFPActionOutput(f)], data=frame))
             out = self.ports[(congested.device, f)]
-            self.count(out, prio).pause_frames_sent += 1
+            c = self.count(out, prio)
+            c.pause_frames_sent += 1
+            if quanta:
+                c.xoff_frames_sent += 1
+            else:
+                c.xon_frames_sent += 1
             if out.peer[0] in self.host_names:
                 self.host_mac_honours(out, prio, quanta, now)
         unacked, self.unacked = self.unacked, None
@@ -329,6 +379,132 @@ class CongestionControl(app_manager.OSKenApp):
             self.close_gate(host, prio, until, now)
         else:
             self.open_gate(host, prio, now)
+
+    # --- the data path: its policy and its signals -------------------------------------
+    def open_dataplane(self) -> None:
+        if self.table is not None:
+            return
+        self.table = dataplane.PortTable.open(self.fabric)
+        self.ring = dataplane.open_events()
+        self.threads.append(hub.spawn(self.signals))
+
+    def apply_dataplane(self, c: Config, lossless: dict[int, tuple[int, int]]) -> None:
+        """ECN marking and the PFC thresholds of every switch port, into the table."""
+        mask = 1 << PRIORITY_ROCE_DATA if c.ecn == "bpf" else 0
+        for key, port in self.ports.items():
+            slot = self.slot_of[key]
+            packet_ns = int(queues.AVERAGE_PACKET_BYTES * 8e3 / port.rate_mbps)
+            self.table.set_ecn(slot, mask, c.kmin_bytes, c.kmax_bytes, c.pmax, c.red_wlog,
+                               packet_ns)
+            for prio in range(8):
+                xoff, xon = lossless.get(prio, (0, 0))
+                self.table.set_pfc(slot, prio, xoff, xon)
+                if not xoff:
+                    self.table.clear_xoff(slot, prio)
+
+    def signals(self):
+        """What the port programs signal (XOFF, XON, a pause frame arrived), handled
+        as it comes; between signals, pause refreshes, gate expiry and the watchdog."""
+        while True:
+            try:
+                wait_readable(self.ring, IDLE_POLL_S)
+                records = self.ring.records()
+                with self.lock:
+                    now = time.time()
+                    mono_ns = time.monotonic_ns()
+                    for raw in records:
+                        e = dataplane.parse_event(raw)
+                        self.on_signal(e, now, now - (mono_ns - e["t_ns"]) / 1e9)
+                    self.refresh_pauses(now)
+            except Exception:   # keep the switches' congestion handling alive; say why
+                self.logger.exception("data path signals")
+
+    def on_signal(self, e: dict, now: float, seen: float) -> None:
+        """seen: when the program saw the packet (wall clock)."""
+        s = self.slots[e["slot"]]
+        self.reaction["signal"].add(now - seen)
+        if e["kind"] == dataplane.EV_PAUSE_RX:
+            port = self.ports.get((s.node, s.port)) or self.host_port(s.node, s.port,
+                                                                      self.link_rate(s))
+            if port is None:
+                return
+            for prio in range(8):
+                if not e["value"] >> prio & 1:
+                    continue
+                q = e["quanta"][prio]
+                if q:
+                    self.close_gate(port, prio, now + q * pause.quantum_s(port.rate_mbps * 1e6),
+                                    now)
+                    self.gate_closed_for(s, prio, time.time())
+                else:
+                    self.open_gate(port, prio, now)
+            return
+        port, prio = self.ports[(s.node, s.port)], e["prio"]
+        key = (port.device, port.port, prio)
+        if e["kind"] == dataplane.EV_XOFF:
+            self.pausing[(port.device, prio)] = (seen, {self.ports[(port.device, f)].peer
+                                                        for f in port.feeders})
+            self.send_pfc(port, prio, self.config.pause_quanta)
+            self.xoff_sent[key] = now
+            self.event("xoff", port, prio=prio, backlog=e["value"], t=seen)
+        elif e["kind"] == dataplane.EV_XON and key in self.xoff_sent:
+            self.send_pfc(port, prio, 0)
+            del self.xoff_sent[key]
+            self.event("xon", port, prio=prio, backlog=e["value"], t=seen)
+
+    def gate_closed_for(self, s: dataplane.Slot, prio: int, t: float) -> None:
+        """The reaction: from the queue passing XOFF to the last upstream gate closed."""
+        for (sw, p), (since, waiting) in list(self.pausing.items()):
+            if p == prio and (s.node, s.port) in waiting:
+                waiting.discard((s.node, s.port))
+                if not waiting:
+                    self.reaction["pause"].add(t - since)
+                    del self.pausing[(sw, p)]
+
+    def link_rate(self, s: dataplane.Slot) -> float:
+        ln = next(ln for ln in self.fabric.links if (ln.a, ln.a_port) == (s.node, s.port)
+                  or (ln.b, ln.b_port) == (s.node, s.port))
+        return ln.rate_mbps
+
+    def refresh_pauses(self, now: float) -> None:
+        """A queue still above XON renews its pause before the last one runs out."""
+        c = self.config
+        for (sw, p, prio), last in list(self.xoff_sent.items()):
+            port = self.ports[(sw, p)]
+            if now - last >= c.pause_quanta * pause.quantum_s(port.rate_mbps * 1e6) / 2:
+                self.send_pfc(port, prio, c.pause_quanta)
+                self.xoff_sent[(sw, p, prio)] = now
+
+    def send_pfc_on_wire(self, congested: Port, prio: int, quanta: int) -> None:
+        """The frame out of each feeding port's veth, where the neighbour's MAC (its
+        ingress program) takes it in; counted by this port's egress program."""
+        for f in congested.feeders:
+            out = self.ports[(congested.device, f)]
+            if out.pfc_sock is None:
+                out.pfc_sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+                out.pfc_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY,
+                                        HTB_DIRECT_PRIORITY)
+                out.pfc_sock.bind((out.intf, 0))
+            try:
+                out.pfc_sock.send(pause.pfc_frame(port_mac(congested.dpid, f), {prio: quanta}))
+            except OSError as e:    # a link down: nothing upstream to pause
+                self.logger.debug("PFC frame out of %s: %s", out.intf, e)
+
+    def dataplane_counters(self) -> dict[tuple[str, int, int], dict]:
+        """The programs' counts of PFC frames and CE marks, per port and priority."""
+        out = {}
+        for i, s in enumerate(self.slots):
+            for prio in range(8):
+                c = self.table.counters(i, prio)
+                d = {"pause_frames_sent": c["pfc_tx_pause"] + c["pfc_tx_resume"],
+                     "pause_frames_received": c["pfc_rx_pause"] + c["pfc_rx_resume"],
+                     "xoff_frames_sent": c["pfc_tx_pause"], "xon_frames_sent": c["pfc_tx_resume"],
+                     "xoff_frames_received": c["pfc_rx_pause"],
+                     "xon_frames_received": c["pfc_rx_resume"],
+                     "ce_marked_packets": c["ce_marked"]}
+                if any(d.values()):
+                    out[(s.node, s.port, prio)] = d
+        return out
 
     # --- gates: this switch honouring a pause on one of its egress ports --------------
     def close_gate(self, port: Port, prio: int, until: float, now: float) -> None:
@@ -447,8 +623,11 @@ class CongestionControl(app_manager.OSKenApp):
         for (sw, p, prio) in list(self.gates):
             if prio not in lossless:
                 self.open_gate(self.port_of(sw, p), prio, now)
-        if new.active != self.config.active:
-            self.realtime(new.active)
+        if new.needs_realtime != self.config.needs_realtime:
+            self.realtime(new.needs_realtime)
+        if new.dataplane:
+            self.open_dataplane()
+            self.apply_dataplane(new, lossless)
         self.config = new
         self.logger.info("congestion configuration %d: %s", new.version, asdict(new))
         self.write_state(self.state())   # at once: the lab waits for this version
@@ -486,10 +665,13 @@ class CongestionControl(app_manager.OSKenApp):
             self.logger.warning("congestion handling at normal priority (%s)", e)
 
     def count(self, port: Port, prio: int) -> PortCounters:
-        return self.counters.setdefault((port.device, port.port, prio), PortCounters())
+        return self.count_key((port.device, port.port, prio))
 
-    def event(self, kind: str, port: Port, **more) -> None:
-        self.pending_events.append(json.dumps({"t": time.time(), "event": kind,
+    def count_key(self, key: tuple[str, int, int]) -> PortCounters:
+        return self.counters.setdefault(key, PortCounters())
+
+    def event(self, kind: str, port: Port, t: float | None = None, **more) -> None:
+        self.pending_events.append(json.dumps({"t": t or time.time(), "event": kind,
                                                "device": port.device, "port": port.port, **more}))
 
     def writer(self):
@@ -518,8 +700,11 @@ class CongestionControl(app_manager.OSKenApp):
     def state(self) -> dict:
         now = time.time()
         counters = {}
+        wire = self.dataplane_counters() if self.config.dataplane and self.table else {}
+        for key in wire:
+            self.count_key(key)
         for (sw, p, prio), c in self.counters.items():
-            d = asdict(c)
+            d = {**asdict(c), **wire.get((sw, p, prio), {})}
             g = self.gates.get((sw, p, prio))
             if g:   # a gate still closed counts its time so far
                 d["paused_s"] += now - g["since"]
@@ -528,7 +713,9 @@ class CongestionControl(app_manager.OSKenApp):
                 "marking": sorted(f"{sw}:{p}" for sw, p in self.marking),
                 "gates_closed": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.gates),
                 "xoff": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.xoff_sent),
-                "watchdog": self.watchdog, "sampling": self.sampling()}
+                "watchdog": self.watchdog, "sampling": self.sampling(),
+                "reaction": {"signal": self.reaction["signal"].summary(),
+                             "pause": self.reaction["pause"].summary()}}
 
 
 class GapHistogram:
@@ -557,6 +744,19 @@ class GapHistogram:
     def summary(self) -> dict:
         return {"samples": self.count, "gap_ms_p50": self.quantile_ms(0.5),
                 "gap_ms_p99": self.quantile_ms(0.99), "gap_ms_max": round(self.max_s * 1e3, 3)}
+
+
+def wait_readable(f, timeout_s: float) -> None:
+    """Until f has something to read, or timeout_s. On Ryu's eventlet hub every green
+    thread shares one OS thread: a plain select() there would stall them all."""
+    if getattr(hub, "HUB_TYPE", "eventlet") == "native":
+        select.select([f], [], [], timeout_s)
+        return
+    from eventlet.hubs import trampoline
+    try:
+        trampoline(f.fileno(), read=True, timeout=timeout_s, timeout_exc=TimeoutError)
+    except TimeoutError:
+        pass
 
 
 def port_mac(dpid: int, port: int) -> str:

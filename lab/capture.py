@@ -1,7 +1,8 @@
 """Packet captures of chosen switch ports during a run, size-capped, one pcap per port.
 
 A port is named as the user sees it: "fl-lf0:2" (switch:port), "fl-lf0-eth2"
-(its interface) or "g0" (the switch port that host hangs on). Captures run on
+(its interface), "g0" (the switch port that host hangs on) or "fl-lf0" (every
+port of that switch). Captures run on
 the switch side of the link, so they hold what the switch sends there: data,
 CNPs, and its own PFC frames.
 """
@@ -18,31 +19,37 @@ from topologies.fabric import Fabric
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 START_WAIT_S = 0.3
+SETTLE_QUIET_S = 0.5
+SETTLE_MAX_S = 10.0
 
 
-def resolve(fabric: Fabric, spec: str) -> str:
-    """A port spec -> the switch interface to capture on."""
+def resolve(fabric: Fabric, spec: str) -> list[str]:
+    """A port spec -> the switch interfaces to capture on."""
     ports = {intf for *_, intf, _ in queues.switch_ports(fabric)}
     if spec in ports:
-        return spec
+        return [spec]
+    if spec in {s.name for s in fabric.switches}:
+        return [intf for sw, _, intf, _ in queues.switch_ports(fabric) if sw == spec]
     m = re.fullmatch(r"(\S+):(\d+)", spec)
     if m and queues.interface_name(m[1], int(m[2])) in ports:
-        return queues.interface_name(m[1], int(m[2]))
+        return [queues.interface_name(m[1], int(m[2]))]
     if spec in {h.name for h in fabric.hosts}:
         i = fabric.host(spec).interface()
-        return queues.interface_name(i.switch, i.port)
+        return [queues.interface_name(i.switch, i.port)]
     raise UsageError(f"--capture: no switch port {spec!r}; name one as SWITCH:PORT "
-                     f"(e.g. fl-lf0:2), an interface (fl-lf0-eth2) or a GPU host (g0)")
+                     f"(e.g. fl-lf0:2), an interface (fl-lf0-eth2), a GPU host (g0) or a "
+                     f"switch (fl-lf0: all its ports)")
 
 
 class Captures:
     """tcpdump per port; stopped (and its pcap flushed) on exit."""
 
     def __init__(self, fabric: Fabric, specs: list[str], outdir: Path, max_mb: float = 20.0):
-        self.intfs = sorted({resolve(fabric, s) for s in specs})
+        self.intfs = sorted({intf for s in specs for intf in resolve(fabric, s)})
         self.outdir = Path(outdir)
         self.max_packets = max(100, int(max_mb * 1e6 / FRAME_BYTES_BOUND))
         self.procs: dict[str, subprocess.Popen] = {}
+        self.dropped: dict[str, int | None] = {}     # by tcpdump itself (None: unknown)
 
     def __enter__(self) -> "Captures":
         self.outdir.mkdir(parents=True, exist_ok=True)
@@ -60,20 +67,39 @@ class Captures:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.settle()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.procs.values():
+        for intf, proc in self.procs.items():
             try:
-                proc.wait(timeout=5)
+                _, err = proc.communicate(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                _, err = proc.communicate()
+            # tcpdump's own account at exit: "N packets dropped by kernel"
+            m = re.search(rb"(\d+) packets? dropped by kernel", err or b"")
+            self.dropped[intf] = int(m[1]) if m else None
+
+    def settle(self) -> None:
+        """Until no pcap has grown for SETTLE_QUIET_S (at most SETTLE_MAX_S): tcpdump
+        lags the wire on a busy machine, and what is still in its kernel ring when it
+        is stopped is lost without being counted as dropped."""
+        sizes, quiet_since, deadline = None, time.monotonic(), time.monotonic() + SETTLE_MAX_S
+        while time.monotonic() < deadline:
+            now = {i: self.path(i).stat().st_size if self.path(i).exists() else 0
+                   for i in self.procs}
+            if now != sizes:
+                sizes, quiet_since = now, time.monotonic()
+            elif time.monotonic() - quiet_since >= SETTLE_QUIET_S:
+                return
+            time.sleep(0.05)
 
     def path(self, intf: str) -> Path:
         return self.outdir / f"{intf}.pcap"
 
     def summary(self) -> dict[str, dict]:
         return {intf: {"file": str(self.path(intf)), "bytes": self.path(intf).stat().st_size
-                       if self.path(intf).exists() else 0, "packet_cap": self.max_packets}
+                       if self.path(intf).exists() else 0, "packet_cap": self.max_packets,
+                       "dropped_by_tcpdump": self.dropped.get(intf)}
                 for intf in self.intfs}

@@ -2,7 +2,8 @@
 
 What is the lab's: OVS bridges and root-namespace links whose names follow the
 lab's own scheme (fl-<role><n>, fl-<role><n>-eth<p>), network namespaces
-named fl-*, and the processes recorded in lab/state.py whose command line
+named fl-*, the BPF maps pinned under /sys/fs/bpf/fl-dataplane (the programs go
+with the links they are attached to), and the processes recorded in lab/state.py whose command line
 still carries their marker. Never `mn -c` (it kills by name and deletes every
 OVS bridge on the machine), never a kill by name.
 """
@@ -15,7 +16,7 @@ import subprocess
 import time
 from shutil import which
 
-from lab import state
+from lab import dataplane, state
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 
@@ -56,7 +57,7 @@ def live_processes() -> list[dict]:
 
 def leftovers() -> dict[str, list]:
     return {"processes": live_processes(), "bridges": lab_bridges(),
-            "links": lab_links(), "netns": lab_netns()}
+            "links": lab_links(), "netns": lab_netns(), "bpf_pins": dataplane.pinned()}
 
 
 def clean() -> dict[str, list]:
@@ -70,6 +71,7 @@ def clean() -> dict[str, list]:
         subprocess.run(["ip", "link", "del", link], capture_output=True)
     for ns in found["netns"]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    dataplane.remove_pins()
     state.forget_processes()
     return found
 

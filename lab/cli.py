@@ -125,8 +125,22 @@ def cmd_run(args) -> int:
     def progress(msg: str) -> None:   # elapsed time on every line of a long run
         print(f"[{time.monotonic() - t0:6.1f} s] {msg}",
               file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.repeat < 1:
+        raise UsageError("--repeat must be at least 1")
+    if args.repeat > 1:
+        out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
+                                     progress=progress, capture=args.capture,
+                                     capture_mb=args.capture_mb,
+                                     controller_runtime=args.controller_runtime)
+        if args.json:
+            print(json.dumps(summary, indent=1))
+        else:
+            print(runner.render_repeat(summary))
+            print(f"results: {out}/repeat.json (each run in {out}/run-N/)")
+        return 0 if summary["all_held"] else 1
     workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
                                  capture=args.capture, live=args.live,
+                                 capture_mb=args.capture_mb,
                                  controller_runtime=args.controller_runtime)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
@@ -335,8 +349,13 @@ def build_parser() -> Parser:
     r.add_argument("--capture", type=lambda v: [x for x in v.split(",") if x], default=[],
                    metavar="PORTS", help="pcap these switch ports (SWITCH:PORT, interface "
                    "or GPU host, comma-separated) into captures/")
+    r.add_argument("--capture-mb", type=float, default=20.0, metavar="MB",
+                   help="size cap of each port's pcap (default 20)")
     r.add_argument("--live", action="store_true",
                    help="print the hottest queues every second while it runs")
+    r.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run it N times (results in OUT/run-1..N) and report each claim's "
+                        "pass rate (repeat.json)")
     add_runtime_arg(r)
     r.set_defaults(func=cmd_run)
     tr = sub.add_parser("tour", help="the lab's story, experiment by experiment, in one report "

@@ -2,10 +2,11 @@
 
     set_congestion(net, CongestionParams(ecn="auto", pfc=True))
 
-resolves the ECN mode ("auto": kernel RED where this kernel has sch_red, else
-the controller's marking), puts RED on or off the switches' RoCE queues, hands
-the controller its configuration (controllers/congestion.py) and waits until it
-has applied it. `read_state(net)` returns the controller's counters.
+resolves the ECN mode ("auto": kernel RED where this kernel has sch_red, else the
+per-packet marking of the BPF data path (lab/dataplane.py), else the controller's
+sampled marking), puts RED on or off the switches' RoCE queues, hands the
+controller its configuration (controllers/congestion.py) and waits until it has
+applied it. `read_state(net)` returns the controller's counters.
 
 Thresholds are in bytes of the emulated queues; the defaults suit the default
 64 KB RoCE buffer. ECN marks from Kmin 2 KB to Kmax 16 KB with Pmax 0.2 (HPCC's
@@ -35,7 +36,7 @@ from lab import events as lab_events
 from lab.errors import LabError, UsageError
 from traffic.constants import PRIORITY_ROCE_DATA
 
-ECN_MODES = ("auto", "red", "controller", "off")
+ECN_MODES = ("auto", "red", "bpf", "controller", "off")
 # The controller's sampling period on the reference machine. On a slower one the runner
 # lowers the link rates (lab/calibrate.py) and the period stretches with them: its
 # marking lag is part of the control loop DCQCN's constants were tuned on
@@ -99,15 +100,21 @@ class CongestionParams:
         return queues.RedParams(self.kmin_kb, self.kmax_kb, self.pmax)
 
 
-def resolve_ecn(mode: str) -> str:
-    """'auto' -> 'red' where the kernel has sch_red, else 'controller'."""
+def resolve_ecn(mode: str, dataplane: bool) -> str:
+    """'auto' -> 'red' where the kernel has sch_red, else 'bpf' where the data path
+    runs, else 'controller'."""
+    if mode == "red" and not doctor.qdisc_available("red"):
+        raise LabError("ECN mode 'red' needs the kernel's sch_red, which this kernel lacks; "
+                       "use ecn=bpf here, or run in the lab VM (fabriclab vm) or "
+                       "the Vagrant VM")
+    if mode == "bpf" and not dataplane:
+        raise LabError("ECN mode 'bpf' needs the lab's BPF data path, which is not running "
+                       "(fabriclab doctor says why); use ecn=controller")
     if mode != "auto":
-        if mode == "red" and not doctor.qdisc_available("red"):
-            raise LabError("ECN mode 'red' needs the kernel's sch_red, which this kernel lacks; "
-                           "use ecn=controller here, or run in the lab VM (fabriclab vm) or "
-                           "the Vagrant VM")
         return mode
-    return "red" if doctor.qdisc_available("red") else "controller"
+    if doctor.qdisc_available("red"):
+        return "red"
+    return "bpf" if dataplane else "controller"
 
 
 def set_red(net, red: queues.RedParams | None) -> None:
@@ -125,7 +132,7 @@ def set_red(net, red: queues.RedParams | None) -> None:
 def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> str:
     """Apply ECN and PFC settings to the running fabric; returns the ECN mode in use."""
     params.validate(net.queue_params)
-    mode = resolve_ecn(params.ecn)
+    mode = resolve_ecn(params.ecn, net.dataplane is not None)
     want_red = params.red() if mode == "red" else None
     if want_red != net.queue_params.red:
         set_red(net, want_red)
@@ -139,7 +146,9 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
               "sample_ms": params.sample_period_ms(net.machine_factor),
               "watchdog_ms": params.watchdog_ms,
               "queue": dataclasses.asdict(net.queue_params),
-              "host_pids": {h.name: net.host_pid(h.name) for h in net.fabric.hosts}}
+              "host_pids": {h.name: net.host_pid(h.name) for h in net.fabric.hosts},
+              "dataplane": net.dataplane is not None,
+              "red_wlog": queues.red_wlog(params.kmin_kb * 1024, params.kmax_kb * 1024)}
     path = net.controller.congestion_file
     tmp = path.with_name(".congestion.json.tmp")
     tmp.write_text(json.dumps(config))

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from shutil import which
 
-from lab import calibrate, ovs
+from lab import calibrate, dataplane, ovs
 
 SCRATCH_NS = "fl-doctor"
 
@@ -102,8 +102,8 @@ def capabilities() -> list[Capability]:
     notes = {
         "htb": ("per-port rate limits and queues", True),
         "tbf": ("the PFC pause gate of every switch queue", True),
-        "red": ("ECN mode 'red' (kernel RED marking); the lab falls back to 'controller' "
-                "marking", False),
+        "red": ("ECN mode 'red' (kernel RED marking); the lab marks with its BPF data "
+                "path instead ('bpf')", False),
         "netem": ("link delay; random loss falls back to nftables", False),
         "fq_codel": ("nothing the lab needs; listed for users' experiments", False),
         "nftables": ("loss injection on kernels without netem", False),
@@ -113,6 +113,13 @@ def capabilities() -> list[Capability]:
         caps.append(Capability(f"qdisc-{name}" if name != "nftables" else "nftables-netdev", ok,
                                "works (probed)" if ok else "not available in this kernel",
                                disables, required))
+    why = dataplane.probe() if root else "needs root"
+    caps.append(Capability("bpf-dataplane", why is None,
+                           "tc BPF programs load (probed): ECN marks and the PFC trigger "
+                           "act per packet" if why is None else why,
+                           "per-packet ECN marking and PFC in the kernel's data path; the "
+                           "lab falls back to the controller sampling the queues every "
+                           "millisecond (PFC can lose frames under load, ECN marks in bursts)"))
     rxe = _module_loadable("rdma_rxe")
     caps.append(Capability("soft-roce", rxe, "rdma_rxe available" if rxe else "no rdma_rxe",
                            "real RoCE peers (Soft-RoCE); use the lab VM or Vagrant"))
@@ -137,7 +144,8 @@ def can_run(caps: list[Capability]) -> bool:
 def as_dict(caps: list[Capability]) -> dict:
     cal = calibrate.load()
     return {"can_run": can_run(caps),
-            "ecn_mode_default": "red" if _get(caps, "qdisc-red") else "controller",
+            "ecn_mode_default": "red" if _get(caps, "qdisc-red") else
+            "bpf" if _get(caps, "bpf-dataplane") else "controller",
             "ovs_datapath": "kernel" if _get(caps, "ovs-kernel-datapath") else "user",
             "calibration": {"keep_up_mbps": cal.keep_up_mbps, "machine_factor": cal.factor,
                             "measured": cal.measured} if cal else None,

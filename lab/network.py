@@ -21,7 +21,7 @@ from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import OVSSwitch, RemoteController
 
-from lab import cleanup, ovs, queues, state
+from lab import cleanup, dataplane, ovs, queues, state
 from lab.controller import Controller
 from lab.errors import LabError, Terminated
 from topologies.base import FabricTopo
@@ -40,7 +40,7 @@ def _raise_terminated(signum, frame):
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
                  progress=print, verbose: bool = False, controller_runtime: str = "os-ken",
-                 machine_factor: float = 1.0):
+                 machine_factor: float = 1.0, use_dataplane: bool = True):
         self.topo = topo
         self.machine_factor = machine_factor   # lab/calibrate.py: < 1 on a slower machine
         self.fabric = topo.fabric
@@ -51,6 +51,9 @@ class FabricNetwork:
         self.controller_runtime = controller_runtime
         self.mininet: Mininet | None = None
         self.controller: Controller | None = None
+        self.use_dataplane = use_dataplane
+        self.dataplane: dataplane.Dataplane | None = None   # ECN and PFC per packet (BPF)
+        self.dataplane_missing: str | None = None           # or why it cannot run here
         self.datapath: str | None = None
         self.timings: dict[str, float] = {}
         self._old_sigterm = None
@@ -92,8 +95,14 @@ class FabricNetwork:
             state.record_process(host.pid, f"mininet:{host.name}", "host")
         self.mininet.start()
         self.timings["build_s"] = time.monotonic() - t0
-        queues.apply(self.fabric, {h.name: h.pid for h in self.mininet.hosts},
-                     self.queue_params)
+        pids = {h.name: h.pid for h in self.mininet.hosts}
+        queues.apply(self.fabric, pids, self.queue_params)
+        self.dataplane_missing = dataplane.unavailable() if self.use_dataplane else "turned off"
+        if self.dataplane_missing is None:
+            self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params)
+        elif self.use_dataplane:
+            self.progress(f"note: no per-packet BPF data path here ({self.dataplane_missing}): "
+                          f"ECN and PFC fall back to the controller's queue sampling")
         # generous: under a software CPU (the lab VM) a switch may take half a minute
         self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
         self.controller.enable_rerouting()
@@ -112,6 +121,9 @@ class FabricNetwork:
             if self.controller is not None:
                 self.controller.stop()
                 self.controller = None
+            if self.dataplane is not None:
+                self.dataplane.close()
+                self.dataplane = None
             cleanup.clean()
         finally:
             self.timings["teardown_s"] = time.monotonic() - t0

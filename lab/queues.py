@@ -150,6 +150,24 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
     return lines
 
 
+def red_burst(kmin_bytes: float, kmax_bytes: float) -> int:
+    """RED's burst in average packets: the tc-red(8) rule."""
+    return max(1, int(2 * kmin_bytes + kmax_bytes) // (3 * AVERAGE_PACKET_BYTES))
+
+
+def red_wlog(kmin_bytes: float, kmax_bytes: float) -> int:
+    """RED's averaging weight 2^-wlog, as tc derives it from the burst: the smallest
+    wlog whose average, starting from empty, takes `burst` packets to reach Kmin."""
+    burst = red_burst(kmin_bytes, kmax_bytes)
+    a = burst + 1 - kmin_bytes / AVERAGE_PACKET_BYTES
+    w = 0.5
+    for wlog in range(1, 32):
+        if a <= (1 - (1 - w) ** burst) / w:
+            return wlog
+        w /= 2
+    return 31
+
+
 def roce_queue_command(intf: str, rate_mbps: float, q: QueueParams) -> str:
     """The queue behind the RoCE class's gate: kernel RED with ECN when q.red is set,
     else a byte FIFO. (Distinct handles: tc replaces a qdisc of another kind only
@@ -160,7 +178,7 @@ def roce_queue_command(intf: str, rate_mbps: float, q: QueueParams) -> str:
         return f"qdisc replace dev {intf} parent {parent} handle {fifo_major(prio):x}: " \
                f"bfifo limit {limit}"
     kmin, kmax = int(q.red.kmin_kb * 1024), int(q.red.kmax_kb * 1024)
-    burst = max(1, (2 * kmin + kmax) // (3 * AVERAGE_PACKET_BYTES))   # the tc-red(8) rule
+    burst = red_burst(kmin, kmax)
     return (f"qdisc replace dev {intf} parent {parent} handle {red_major(prio):x}: "
             f"red limit {limit} min {kmin} max {kmax} avpkt {AVERAGE_PACKET_BYTES} "
             f"burst {burst} probability {q.red.pmax} bandwidth {rate_mbps}mbit ecn")

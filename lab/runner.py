@@ -35,7 +35,7 @@ from typing import Any, Callable
 from lab import calibrate
 from lab import experiments as experiments_pkg
 from lab import report
-from lab.errors import UsageError
+from lab.errors import LabError, UsageError
 from lab.queues import QueueParams
 from lab.network import FabricNetwork
 from lab.capture import Captures
@@ -218,9 +218,10 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def run(name: str, settings: list[str], out: Path | None = None,
         progress: Callable[[str], None] = print, capture: list[str] | None = None,
-        live: bool = False, controller_runtime: str = "os-ken") -> tuple[Path, dict]:
-    """capture: switch ports to record (lab/capture.py); live: print the hottest
-    queues every second while the experiment runs."""
+        live: bool = False, controller_runtime: str = "os-ken",
+        capture_mb: float = 20.0) -> tuple[Path, dict]:
+    """capture: switch ports to record (lab/capture.py), each up to capture_mb; live:
+    print the hottest queues every second while the experiment runs."""
     mod = load(name)
     calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
     factor = calibration.factor if calibration else 1.0
@@ -256,9 +257,11 @@ def run(name: str, settings: list[str], out: Path | None = None,
                            controller_runtime=controller_runtime,
                            machine_factor=factor) as net:
             config["datapath"] = net.datapath
+            config["congestion_datapath"] = "bpf" if net.dataplane else \
+                f"controller sampling ({net.dataplane_missing})"
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
-            captures = Captures(net.fabric, capture or [], workdir / "captures")
+            captures = Captures(net.fabric, capture or [], workdir / "captures", capture_mb)
             state = net.controller.congestion_file.with_name("congestion-state.json")
             with QueueTelemetry(net.fabric, workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
                                 controller_state=state) as telemetry, captures, \
@@ -291,6 +294,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "topology": config["topology"],
         "rate_scale": config["rate_scale"],
         "datapath": config.get("datapath"),
+        "congestion_datapath": config.get("congestion_datapath"),
         "metrics": metrics,
         "claims": [dataclasses.asdict(c) for c in claims],
         "passed": all(c.passed for c in claims),
@@ -300,3 +304,46 @@ def run(name: str, settings: list[str], out: Path | None = None,
     write_json_atomic(workdir / "metrics.json", result)
     report.write(workdir, result)
     return workdir, result
+
+
+def repeat(name: str, settings: list[str], n: int, out: Path | None = None,
+           progress: Callable[[str], None] = print, **run_args) -> tuple[Path, dict]:
+    """Run an experiment n times (OUT/run-1..n); each claim's pass rate, in repeat.json.
+    A run that fails outright counts against every claim."""
+    out = Path(out) if out else RESULTS_DIR / f"{name}-x{n}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    held: dict[str, int] = {}
+    runs = []
+    for i in range(1, n + 1):
+        progress(f"run {i} of {n}")
+        try:
+            _, result = run(name, settings, out / f"run-{i}", progress=progress, **run_args)
+        except LabError as e:
+            runs.append({"run": i, "error": str(e)})
+            progress(f"run {i} failed: {e}")
+            continue
+        runs.append({"run": i, "passed": result["passed"],
+                     "failed": [c["name"] for c in result["claims"] if not c["passed"]],
+                     "warnings": result["warnings"]})
+        for c in result["claims"]:
+            held[c["name"]] = held.get(c["name"], 0) + bool(c["passed"])
+        progress(f"run {i}: {sum(c['passed'] for c in result['claims'])}/"
+                 f"{len(result['claims'])} claims held")
+    summary = {"experiment": name, "settings": settings, "runs": n,
+               "claims": {c: {"held": k, "runs": n, "rate": round(k / n, 3)}
+                          for c, k in held.items()},
+               "all_held": bool(held) and all(k == n for k in held.values())
+               and all("error" not in r for r in runs),
+               "each_run": runs}
+    write_json_atomic(out / "repeat.json", summary)
+    return out, summary
+
+
+def render_repeat(summary: dict) -> str:
+    lines = [f"{summary['experiment']}: {summary['runs']} runs"]
+    for name, c in summary["claims"].items():
+        lines.append(f"  {c['held']:3}/{c['runs']}  {name}")
+    for r in summary["each_run"]:
+        if "error" in r:
+            lines.append(f"  run {r['run']} failed: {r['error']}")
+    return "\n".join(lines)

@@ -15,12 +15,18 @@ import struct
 from dataclasses import dataclass
 
 NETLINK_ROUTE = 0
-RTM_NEWQDISC, RTM_GETQDISC = 36, 38
+RTM_NEWQDISC, RTM_GETQDISC, RTM_NEWTFILTER = 36, 38, 44
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
+NLM_F_EXCL, NLM_F_CREATE = 0x200, 0x400
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 TCA_KIND, TCA_OPTIONS, TCA_STATS, TCA_XSTATS = 1, 2, 3, 4
 TCA_TBF_PARMS, TCA_TBF_BURST = 1, 6
 TC_LINKLAYER_ETHERNET = 1
+TC_H_CLSACT = 0xFFFFFFF1
+CLSACT_INGRESS, CLSACT_EGRESS = 0xFFFFFFF2, 0xFFFFFFF3
+TCA_BPF_FD, TCA_BPF_NAME, TCA_BPF_FLAGS = 6, 7, 8
+TCA_BPF_FLAG_ACT_DIRECT = 1
+ETH_P_ALL = 0x0003
 
 _NLMSG = struct.Struct("=IHHII")      # length, type, flags, sequence, port id
 _TCMSG = struct.Struct("=BxxxiIII")   # family, ifindex, handle, parent, info
@@ -149,6 +155,28 @@ class Netlink:
         if wait:
             self.wait(seq)
         return seq
+
+    def add_clsact(self, ifindex: int) -> None:
+        """The clsact hooks of a device (where tc BPF programs attach); kept if present."""
+        body = (_TCMSG.pack(socket.AF_UNSPEC, ifindex, 0xFFFF0000, TC_H_CLSACT, 0)
+                + _attr(TCA_KIND, b"clsact\0"))
+        try:
+            self.wait(self._request(RTM_NEWQDISC, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE
+                                    | NLM_F_EXCL, body))
+        except FileExistsError:
+            pass
+
+    def attach_bpf(self, ifindex: int, hook: int, prog_fd: int, name: str) -> None:
+        """A direct-action tc BPF program on a clsact hook (CLSACT_INGRESS/_EGRESS), for
+        every protocol, as `tc filter add dev X egress bpf da ...` does."""
+        options = (_attr(TCA_BPF_FD, struct.pack("=I", prog_fd))
+                   + _attr(TCA_BPF_NAME, name.encode() + b"\0")
+                   + _attr(TCA_BPF_FLAGS, struct.pack("=I", TCA_BPF_FLAG_ACT_DIRECT)))
+        info = (1 << 16) | socket.htons(ETH_P_ALL)     # filter priority 1, every protocol
+        body = (_TCMSG.pack(socket.AF_UNSPEC, ifindex, 1, hook, info)
+                + _attr(TCA_KIND, b"bpf\0") + _attr(TCA_OPTIONS, options))
+        self.wait(self._request(RTM_NEWTFILTER, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE
+                                | NLM_F_EXCL, body))
 
     def wait(self, seq: int) -> None:
         """Until the kernel acknowledges request `seq` (raises its error)."""

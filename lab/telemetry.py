@@ -7,9 +7,10 @@ every few milliseconds (one rtnetlink dump, lab/tcnl.py).
 
 Per port and priority (lab/queues.py: the class's tbf gate and what is behind
 it): backlog bytes and packets, packets sent, drops, ECN marks (RED's own
-counter, or the controller's when it marks: its state file, updated every
-100 ms, counts a marking period when it ends), and whether the gate is closed
-(PFC pause). A CSV row is written when something changed; the summary covers
+counter, the BPF data path's (lab/dataplane.py), or the controller's when it
+marks: its state file, updated every 100 ms, counts a marking period when it
+ends), and whether the gate is closed (PFC pause). Where the data path runs, a
+queue's drops also count the frames its program turned away at the buffer limit. A CSV row is written when something changed; the summary covers
 any time window of the run.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import queues, tcnl
+from lab import dataplane, queues, tcnl
 from topologies.fabric import Fabric
 
 CONTROLLER_READ_S = 0.05
@@ -66,6 +67,10 @@ class QueueTelemetry:
         self._thread: threading.Thread | None = None
         self._names: dict[int, tuple[str, int] | None] = {}
         self.error: Exception | None = None
+        self.table: dataplane.PortTable | None = None
+        if fabric is not None and dataplane.pinned():
+            self.table = dataplane.PortTable.open(fabric)
+            self._slot = {f"{s.node}:{s.port}": i for i, s in enumerate(dataplane.slots(fabric))}
 
     # --- lifecycle --------------------------------------------------------------------
     def __enter__(self) -> "QueueTelemetry":
@@ -108,7 +113,8 @@ class QueueTelemetry:
                 marks[(q.ifindex, q.parent >> 16)] = q.marked
             elif q.kind == "tbf" and queues.priority_of_gate(major) is not None:
                 gates.append(q)
-        controller = self._controller_ce(t)
+        # with the data path the controller's counts are the table's: read them there
+        controller = self._controller_ce(t) if self.table is None else {}
         out = {}
         for q in gates:
             where = self._port_of(q.ifindex)
@@ -116,10 +122,14 @@ class QueueTelemetry:
                 continue
             prio = queues.priority_of_gate(q.handle >> 16)
             key = f"{where[0]}:{where[1]}:{prio}"
-            out[key] = QueueSample(
-                t, q.backlog_bytes, q.qlen, q.packets, q.drops,
-                marks.get((q.ifindex, q.handle >> 16), 0) + controller.get(key, 0),
-                q.rate_bytes_s == queues.PAUSED_RATE_BYTES_S)
+            drops, marked = q.drops, marks.get((q.ifindex, q.handle >> 16), 0)
+            if self.table is not None:
+                c = self.table.counters(self._slot[f"{where[0]}:{where[1]}"], prio)
+                drops += c["drop_packets"]
+                marked += c["ce_marked"]
+            out[key] = QueueSample(t, q.backlog_bytes, q.qlen, q.packets, drops,
+                                   marked + controller.get(key, 0),
+                                   q.rate_bytes_s == queues.PAUSED_RATE_BYTES_S)
         return out
 
     def _controller_ce(self, now: float) -> dict[str, int]:
@@ -169,6 +179,8 @@ class QueueTelemetry:
             nl.close()
             if f:
                 f.close()
+            if self.table is not None:
+                self.table.close()
 
     # --- reading ----------------------------------------------------------------------
     def latest(self) -> dict[str, QueueSample]:

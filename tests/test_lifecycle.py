@@ -134,7 +134,11 @@ def test_doctor_reports_this_kernel(machine_calibration):
         built = {line.split("=")[0] for line in text.splitlines() if line.endswith(("=y", "=m"))}
         assert caps["qdisc-red"] == ("CONFIG_NET_SCH_RED" in built)
         assert caps["qdisc-netem"] == ("CONFIG_NET_SCH_NETEM" in built)
-    assert d["ecn_mode_default"] == ("red" if caps["qdisc-red"] else "controller")
+        # the data path needs BPF ring buffers and tc's BPF classifier
+        assert caps["bpf-dataplane"] == ({"CONFIG_BPF_SYSCALL", "CONFIG_NET_CLS_BPF",
+                                          "CONFIG_NET_SCH_INGRESS"} <= built)
+    assert d["ecn_mode_default"] == ("red" if caps["qdisc-red"] else
+                                     "bpf" if caps["bpf-dataplane"] else "controller")
     # the machine's calibration (the suite made sure there is one), read back by doctor
     c = machine_calibration
     assert d["calibration"]["keep_up_mbps"] == c.keep_up_mbps

@@ -40,6 +40,9 @@ REGION_VA = 0x10000000
 
 
 RATE_SAMPLE_S = 0.01
+# how long an aborted collective's last frames may take to leave the NIC (one frame waits
+# for room in a full FIFO; a pause could hold it longer, and then it is lost)
+ABORT_FLUSH_S = 0.5
 
 
 def qpn_for(collective_id: int, peer_rank: int) -> int:
@@ -188,6 +191,10 @@ class Agent:
                 counters[f"{qp.kind}:{prefix}{qpn:#x}"] = qp.counters.as_dict()
                 if hasattr(qp, "ev_report"):
                     evs[f"{prefix}{qpn:#x}"] = qp.ev_report()
+        if not ok:      # out of time: its QPs stop here, and what they counted goes out
+            for nic in nics:
+                nic.abort()
+            drive(nics, lambda: all(n.flushed() for n in nics), ABORT_FLUSH_S)
         self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed, cpu_s=cpu_s,
                   counters=counters, evs=evs, rate_samples=samples,
                   nic={"malformed": sum(n.malformed for n in nics),

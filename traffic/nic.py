@@ -131,6 +131,16 @@ class Nic:
         self.rr.append(qp.qpn)
         return qp
 
+    def abort(self) -> None:
+        """Every QP to the error state (its collective ran out of time): nothing more
+        is scheduled. A frame already taken from a QP (counted as sent) and the
+        responses already made still go out, so the QPs' counters match the wire."""
+        self.qps.clear()
+        self.rr.clear()
+
+    def flushed(self) -> bool:
+        return self.stalled is None and not self.ctrl
+
     # --- one turn of the loop ------------------------------------------------------
     def receive(self, now: float, ready: set[int] | None = None) -> int:
         """Take in what arrived; `ready`: the fds poll() reported (None: try all)."""

@@ -41,6 +41,7 @@ STEADY_FROM = 0.5
 FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-table misses
+INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
 
 # flow_kb does not shrink on a slow machine (lab/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
@@ -55,7 +56,7 @@ class Params:
     flow_kb: int = 1200         # per sender: ~8 s at the fair share of a 10 Mb/s port (at
     # 600 KB, 1 run in 18 had a sender 23% off the fair share: DCQCN converges slowly)
     variants: str = ",".join(VARIANTS)
-    ecn: str = "auto"           # the marking mode of the ecn variants: auto | red | controller
+    ecn: str = "auto"           # the ecn variants' marking: auto | red | bpf | controller
     kmin_kb: float = CongestionParams.kmin_kb
     kmax_kb: float = CongestionParams.kmax_kb
     pmax: float = CongestionParams.pmax
@@ -71,8 +72,9 @@ class Params:
         if bad:
             raise UsageError(f"unknown incast variant(s) {sorted(bad)}; choose from "
                              f"{', '.join(VARIANTS)}")
-        if self.ecn not in ("auto", "red", "controller"):
-            raise UsageError("ecn must be auto, red or controller (the 'none' variant is 'off')")
+        if self.ecn not in ("auto", "red", "bpf", "controller"):
+            raise UsageError("ecn must be auto, red, bpf or controller "
+                             "(the 'none' variant is 'off')")
         if self.senders < 2 or self.flow_kb <= 0:
             raise UsageError("need senders >= 2 and flow_kb > 0")
 
@@ -147,14 +149,29 @@ def pause_delivery_ms(evs: list[dict], flows: list[dict], port) -> dict:
             "n": len(delays)} if delays else {}
 
 
-def controller_counts(state: dict, switch: str, port: int) -> dict:
-    """CE marks on the bottleneck port; pause frames the congested switch sent."""
-    per_port = state.get("counters", {})
-    prio = str(PRIORITY_ROCE_DATA)
-    sent = sum(c.get(prio, {}).get("pause_frames_sent", 0)
-               for key, c in per_port.items() if key.split(":")[0] == switch)
-    marks = per_port.get(f"{switch}:{port}", {}).get(prio, {}).get("ce_marked_packets", 0)
-    return {"pause_frames_sent": sent, "ce_marked_packets": marks}
+def controller_counts(net, switch: str, port: int) -> dict:
+    """CE marks on the bottleneck port; PFC frames the congested switch sent, pausing
+    (XOFF) and resuming (XON). Read from the data path's table where it runs (exact at
+    this instant), else from the controller's state file (up to 100 ms old)."""
+    prio = PRIORITY_ROCE_DATA
+    if net.dataplane is not None:
+        dp = net.dataplane
+        ports = [c for s, c in ((s, dp.counters(s.node, s.port, prio)) for s in dp.slots)
+                 if s.node == switch]
+        drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
+                 for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
+        for sw in {s.node for s in dp.slots if s.switch}:
+            drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
+        return {"xoff_frames_sent": sum(c["pfc_tx_pause"] for c in ports),
+                "xon_frames_sent": sum(c["pfc_tx_resume"] for c in ports),
+                "ce_marked_packets": dp.counters(switch, port, prio)["ce_marked"],
+                "drops": drops, "t": time.time()}
+    per_port = read_state(net).get("counters", {})
+    mine = [c.get(str(prio), {}) for key, c in per_port.items() if key.split(":")[0] == switch]
+    return {"xoff_frames_sent": sum(c.get("xoff_frames_sent", 0) for c in mine),
+            "xon_frames_sent": sum(c.get("xon_frames_sent", 0) for c in mine),
+            "ce_marked_packets": per_port.get(f"{switch}:{port}", {}).get(str(prio), {})
+            .get("ce_marked_packets", 0), "t": time.time()}
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
@@ -162,7 +179,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
     mode = set_congestion(net, p.congestion(variant))
-    before = controller_counts(read_state(net), recv_if.switch, recv_if.port)
+    before = controller_counts(net, recv_if.switch, recv_if.port)
     rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, p.dcqcn_time_scale)
     scale = rc["rate_scale"]
     limited = variant == "none"
@@ -173,14 +190,17 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                            timeout_s=p.none_time_limit_s if limited else 120)
     t1 = time.time()
     time.sleep(SETTLE_S)
-    after = controller_counts(read_state(net), recv_if.switch, recv_if.port)
+    after = controller_counts(net, recv_if.switch, recv_if.port)
     lost = ovs.datapath_lost_packets() - lost0
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
     queues_seen = ctx.telemetry.summary(t0, t1)
     q = queues_seen.get(key, {})
-    elsewhere = {k: s["drops_packets"] for k, s in queues_seen.items()
-                 if k != key and s["drops_packets"]}
-    if lost:
+    if "drops" in after:     # every drop the data path made while counting
+        dropped = {k: n - before["drops"][k] for k, n in after["drops"].items()}
+    else:
+        dropped = {k: s["drops_packets"] for k, s in queues_seen.items()}
+    elsewhere = {k: n for k, n in dropped.items() if k != key and n}
+    if lost and net.dataplane is None:   # with the data path, inside the switch counts them
         elsewhere[DATAPATH_LOST] = lost
     # the steady part: the second half of the time until the first sender finishes
     # (the first half holds the start-up transient: the burst, then DCQCN's first cuts)
@@ -191,17 +211,23 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     goodputs = sender_goodputs(flows, *steady)
     held = ctx.telemetry.summary(*steady).get(key, {})   # what the queue holds once settled
     fair = sum(goodputs.values()) / len(senders)
-    # the controller counts a marking period when it ends: after the run has settled
-    marks = after["ce_marked_packets"] - before["ce_marked_packets"] \
-        if mode == "controller" else q.get("ce_marked_packets", 0)
+    # RED counts in the kernel (telemetry); the data path and the controller count
+    # each mark (the controller when a marking period ends: after the run has settled)
+    marks = q.get("ce_marked_packets", 0) if mode == "red" else \
+        after["ce_marked_packets"] - before["ce_marked_packets"]
+    xoff = after["xoff_frames_sent"] - before["xoff_frames_sent"]
+    xon = after["xon_frames_sent"] - before["xon_frames_sent"]
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
         "bottleneck": key,
-        "drops_packets": q.get("drops_packets", 0),
+        "drops_packets": dropped.get(key, 0),
         "drops_elsewhere": elsewhere,
         "ce_marked_packets": marks,
-        "pause_frames_sent": after["pause_frames_sent"] - before["pause_frames_sent"],
+        "pause_frames_sent": xoff + xon,
+        "pfc_frames_sent": {"xoff": xoff, "xon": xon},
+        # the span the counters cover (unix time), for checking them against captures
+        "counted_unix_s": [round(before["t"], 4), round(after["t"], 4)],
         "backlog_bytes_p50": held.get("backlog_bytes_p50", 0),
         "backlog_bytes_p99": held.get("backlog_bytes_p99", 0),
         "backlog_bytes_max": q.get("backlog_bytes_max", 0),

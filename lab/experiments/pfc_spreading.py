@@ -52,8 +52,8 @@ class Params:
     def validate(self) -> None:
         if self.topology != "leaf-spine":
             raise UsageError("pfc-spreading needs topology=leaf-spine (two leaves, one spine)")
-        if self.ecn not in ("auto", "red", "controller"):
-            raise UsageError("ecn must be auto, red or controller")
+        if self.ecn not in ("auto", "red", "bpf", "controller"):
+            raise UsageError("ecn must be auto, red, bpf or controller")
 
 
 def roles(ctx: RunContext) -> dict:

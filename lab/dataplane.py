@@ -1,0 +1,323 @@
+"""The fabric's per-packet data path: ECN marking and the PFC trigger on every switch
+port, as tc BPF programs (lab/dataplane.bpf.c), and the table they share with
+user space.
+
+    dp = Dataplane.attach(fabric, host_pids, queue_params)   # at fabric build
+    table = PortTable.open(fabric)     # any process: the controller, telemetry
+    table.set_ecn(slot, kmin, kmax, pmax); table.counters(slot, prio)
+
+Every link end has a slot in one array (struct port in the C source): the
+configuration user space writes (buffer limits, DSCP -> priority, RED's Kmin,
+Kmax, Pmax, each lossless priority's XOFF/XON) and the counters the programs
+keep (bytes in and out of each priority's queue, drops, CE marks, XOFF/XON
+signals, PFC frames sent and received). The array is mapped into user space,
+so reading every port's counters costs no system call. XOFF, XON and received
+pause frames also go to a ring buffer, which the controller app waits on.
+
+The maps are pinned under /sys/fs/bpf/fl-dataplane (bpffs is mounted if it is
+not), a lab object like its namespaces: `remove_pins()` runs at teardown and in
+`fabriclab clean`. The programs live as long as the devices they are attached to.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab import bpf, netns, tcnl
+from lab.errors import LabError
+from topologies.fabric import NAME_PREFIX, Fabric
+
+SOURCE = Path(__file__).with_name("dataplane.bpf.c")
+CACHE_DIR = Path("/var/cache/fabriclab/bpf")
+PIN_DIR = bpf.BPF_FS / f"{NAME_PREFIX}dataplane"
+PRIOS = 8
+NO_SLOT = 0xFFFFFFFF
+EVENTS_BYTES = 1 << 20          # the ring buffer: ~26k events
+AVG_SHIFT = 10                  # the C source's fixed point for RED's average
+
+# struct port (dataplane.bpf.c; its static asserts check these sizes)
+_HEAD = struct.Struct("=6I64s")             # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, dscp
+_CFG = struct.Struct("=4I")                 # limit, xoff, xon, pad
+_STATE = struct.Struct("=18QIi")
+STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
+                "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
+                "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
+                "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "xoff", "red_count")
+PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
+CFG_AT = _HEAD.size
+STATE_AT = CFG_AT + PRIOS * _CFG.size
+# struct event
+EVENT = struct.Struct("=QIIII8H")
+EV_XOFF, EV_XON, EV_PAUSE_RX = 1, 2, 3
+
+
+def unavailable() -> str | None:
+    """None if the data path can run here; else what is missing (doctor says it)."""
+    if shutil.which("clang") is None and not _cached_object().exists():
+        return "clang is missing (apt-get install clang llvm libbpf-dev)"
+    if not Path("/usr/include/bpf/bpf_helpers.h").exists() and not _cached_object().exists():
+        return "libbpf's headers are missing (apt-get install libbpf-dev)"
+    return bpf.available()
+
+
+def probe() -> str | None:
+    """None if both programs build and pass the kernel's verifier here; else why not."""
+    why = unavailable()
+    if why:
+        return why
+    try:
+        obj = bpf.ElfObject(build())
+        ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, PORT_BYTES, 1,
+                               flags=bpf.BPF_F_MMAPABLE, name="fl_probe")
+        events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096, name="fl_probe")
+        try:
+            for section in ("tc/egress", "tc/ingress"):
+                os.close(obj.load(section, {"ports": ports.fd, "events": events.fd},
+                                  {"port_slot": 0}, name="fl_probe"))
+        finally:
+            ports.close()
+            events.close()
+    except (LabError, OSError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _cached_object() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return CACHE_DIR / f"dataplane-{digest}.o"
+
+
+def build() -> Path:
+    """The compiled object, built once per version of the source."""
+    obj = _cached_object()
+    if obj.exists():
+        return obj
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    arch = f"{platform.machine()}-linux-gnu"      # where Debian keeps asm/types.h
+    tmp = obj.with_suffix(".tmp")
+    r = subprocess.run(["clang", "-O2", "-target", "bpf", "-mcpu=v3", f"-I/usr/include/{arch}",
+                        "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"could not compile {SOURCE.name} with clang: "
+                       f"{r.stderr.strip()[-400:]}")
+    tmp.replace(obj)
+    return obj
+
+
+@dataclass
+class Slot:
+    node: str
+    port: int
+    intf: str
+    switch: bool
+
+
+def slots(fabric: Fabric) -> list[Slot]:
+    """Every link end, in the fabric's link order: its index is its slot."""
+    switches = {s.name for s in fabric.switches}
+    out = []
+    for ln in fabric.links:
+        for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
+            out.append(Slot(node, port, f"{node}-eth{port}", node in switches))
+    return out
+
+
+def peers(fabric: Fabric) -> dict[int, int]:
+    """slot -> the slot at the other end of its link."""
+    out = {}
+    for i in range(len(fabric.links)):
+        out[2 * i], out[2 * i + 1] = 2 * i + 1, 2 * i
+    return out
+
+
+class PortTable:
+    """The shared array of ports, mapped into this process."""
+
+    def __init__(self, m: bpf.Map):
+        self.map = m
+        self.mem = m.mmap()
+        self.stride = (PORT_BYTES + 7) & ~7
+
+    @classmethod
+    def open(cls, fabric: Fabric, pin_dir: Path = PIN_DIR) -> "PortTable":
+        return cls(bpf.Map.open_pinned(pin_dir / "ports", PORT_BYTES, len(slots(fabric))))
+
+    def __len__(self) -> int:
+        return self.map.max_entries
+
+    def _at(self, slot: int) -> int:
+        if not 0 <= slot < self.map.max_entries:
+            raise IndexError(f"no port slot {slot}")
+        return slot * self.stride
+
+    # configuration (user space writes, the programs read)
+    def set_queues(self, slot: int, dscp_priority: dict[int, int],
+                   limits: dict[int, int]) -> None:
+        at = self._at(slot)
+        head = list(_HEAD.unpack_from(self.mem, at))
+        dscp = bytearray(64)
+        for d, prio in dscp_priority.items():
+            dscp[d] = prio
+        head[6] = bytes(dscp)
+        _HEAD.pack_into(self.mem, at, *head)
+        for prio in range(PRIOS):
+            limit, xoff, xon, _ = _CFG.unpack_from(self.mem, at + CFG_AT + prio * _CFG.size)
+            _CFG.pack_into(self.mem, at + CFG_AT + prio * _CFG.size, limits.get(prio, 0),
+                           xoff, xon, 0)
+
+    def set_ecn(self, slot: int, prio_mask: int, kmin_bytes: int, kmax_bytes: int,
+                pmax: float, wlog: int, packet_ns: int) -> None:
+        at = self._at(slot)
+        dscp = _HEAD.unpack_from(self.mem, at)[6]
+        _HEAD.pack_into(self.mem, at, prio_mask, kmin_bytes, kmax_bytes,
+                        min(0xFFFFFFFF, int(pmax * 2 ** 32)), wlog, packet_ns, dscp)
+
+    def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int) -> None:
+        """xoff_bytes 0: the priority is not lossless on this port."""
+        off = self._at(slot) + CFG_AT + prio * _CFG.size
+        limit = _CFG.unpack_from(self.mem, off)[0]
+        _CFG.pack_into(self.mem, off, limit, xoff_bytes, xon_bytes, 0)
+
+    def clear_xoff(self, slot: int, prio: int) -> None:
+        """Forget a signalled XOFF (PFC turned off while a queue was paused)."""
+        struct.pack_into("=I", self.mem, self._state_at(slot, prio) + 18 * 8, 0)
+
+    # counters (the programs write)
+    def _state_at(self, slot: int, prio: int) -> int:
+        return self._at(slot) + STATE_AT + prio * _STATE.size
+
+    def counters(self, slot: int, prio: int) -> dict[str, int]:
+        values = _STATE.unpack_from(self.mem, self._state_at(slot, prio))
+        out = dict(zip(STATE_FIELDS, values))
+        out["backlog_bytes"] = max(0, out["in_bytes"] - out["out_bytes"])
+        out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
+        return out
+
+    def backlog_bytes(self, slot: int, prio: int) -> int:
+        inb, outb = struct.unpack_from("=QQ", self.mem, self._state_at(slot, prio))
+        return max(0, inb - outb)
+
+    def close(self) -> None:
+        self.mem.close()
+        self.map.close()
+
+
+def parse_event(raw: bytes) -> dict:
+    t_ns, kind, slot, prio, value, *quanta = EVENT.unpack_from(raw)
+    return {"t_ns": t_ns, "kind": kind, "slot": slot, "prio": prio, "value": value,
+            "quanta": quanta}
+
+
+def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:
+    return bpf.RingBuffer(bpf.Map.open_pinned(pin_dir / "events", 0, EVENTS_BYTES))
+
+
+class Dataplane:
+    """The programs of one running fabric: loaded and attached at build, the maps pinned."""
+
+    def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map):
+        self.fabric = fabric
+        self.table = table
+        self.events = events
+        self.slots = slots(fabric)
+        self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
+
+    @classmethod
+    def attach(cls, fabric: Fabric, host_pids: dict[str, int], queue_params,
+               pin_dir: Path = PIN_DIR) -> "Dataplane":
+        why = unavailable()
+        if why:
+            raise LabError(f"the BPF data path cannot run here: {why}")
+        obj = bpf.ElfObject(build())
+        all_slots = slots(fabric)
+        bpf.mount_bpffs()
+        remove_pins(pin_dir)
+        pin_dir.mkdir(parents=True)
+        ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, PORT_BYTES, len(all_slots),
+                               flags=bpf.BPF_F_MMAPABLE, name="fl_ports")
+        events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, EVENTS_BYTES,
+                                name="fl_events")
+        ports.pin(pin_dir / "ports")
+        events.pin(pin_dir / "events")
+        dp = cls(fabric, PortTable(ports), events)
+        for i, s in enumerate(all_slots):
+            dp.table.set_queues(i, queue_params.dscp_priority,
+                                {p: queue_params.buffer_bytes(p) for p in queue_params.priorities}
+                                if s.switch else {})
+        dp._attach_programs(obj, host_pids)
+        return dp
+
+    def _attach_programs(self, obj: bpf.ElfObject, host_pids: dict[str, int]) -> None:
+        maps = {"ports": self.table.map.fd, "events": self.events.fd}
+        peer = peers(self.fabric)
+        root = tcnl.Netlink()
+        per_ns: dict[str, tcnl.Netlink] = {}
+        try:
+            for i, s in enumerate(self.slots):
+                if s.switch:
+                    nl, ifindex = root, socket.if_nametoindex(s.intf)
+                else:
+                    pid = host_pids[s.node]
+                    if s.node not in per_ns:
+                        per_ns[s.node] = tcnl.Netlink(netns.socket_in_netns(
+                            pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK))
+                    nl, ifindex = per_ns[s.node], netns.ifindex_in_netns(pid, s.intf)
+                nl.add_clsact(ifindex)
+                other = peer[i]
+                progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
+                          {"port_slot": i,
+                           "peer_slot": other if self.slots[other].switch else NO_SLOT})]
+                if s.switch:
+                    progs.append(("tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": i}))
+                for section, hook, consts in progs:
+                    fd = obj.load(section, maps, consts, name=f"fl_{section[3:]}")
+                    try:
+                        nl.attach_bpf(ifindex, hook, fd, f"{NAME_PREFIX}{section[3:]}")
+                    finally:
+                        os.close(fd)
+        finally:
+            root.close()
+            for nl in per_ns.values():
+                nl.close()
+
+    def counters(self, node: str, port: int, prio: int) -> dict[str, int]:
+        return self.table.counters(self.slot_of[(node, port)], prio)
+
+    def lost_inside(self, switch: str, prio: int) -> int:
+        """Frames of `prio` that entered `switch` and reached none of its egress ports
+        (neither queued nor dropped there): lost inside the switch itself, e.g. by OVS's
+        user space. Exact once the switch is idle; in flight otherwise."""
+        entered = left = 0
+        for i, s in enumerate(self.slots):
+            if s.node == switch:
+                c = self.table.counters(i, prio)
+                entered += c["rx_packets"]
+                left += c["in_packets"] + c["drop_packets"]
+        return entered - left
+
+    def close(self) -> None:
+        self.table.close()
+        self.events.close()
+
+
+def pinned(pin_dir: Path = PIN_DIR) -> list[str]:
+    return sorted(str(f) for f in pin_dir.iterdir()) if pin_dir.is_dir() else []
+
+
+def remove_pins(pin_dir: Path = PIN_DIR) -> list[str]:
+    """Unpin the lab's maps (the kernel frees them once nothing else holds them)."""
+    if not pin_dir.exists():
+        return []
+    removed = []
+    for f in pin_dir.iterdir():
+        f.unlink()
+        removed.append(str(f))
+    pin_dir.rmdir()
+    return removed

@@ -40,10 +40,10 @@ flowing, and if the queue fills it pauses its own upstream in turn. A GPU host
 honours the frames in its NIC (traffic/nic.py). A watchdog reports a gate
 closed longer than `watchdog_ms` (a pause storm or a deadlock).
 
-The lab drives it through files in the run directory: congestion.json (the
-configuration, reloaded when it changes), congestion-state.json (counters per
-port and priority, the applied configuration version) and
-congestion-events.jsonl (xoff/xon, gates, marking, watchdog; with timestamps).
+The lab drives it through files in the run directory, as controllers/protocol.py
+says: the configuration (reloaded when it changes), the state (counters per port
+and priority, the applied configuration version) and the events (xoff/xon, gates,
+marking, watchdog; with timestamps).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from os_ken import cfg
@@ -67,6 +67,7 @@ from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 
 from controllers.fabric_router import EGRESS_TABLE, PRIORITY_EGRESS_MARK, logged
+from controllers.protocol import EVENTS_FILE, CongestionConfig, write_state
 from lab import dataplane, netns, queues, tcnl
 from topologies.fabric import Fabric
 from traffic import pause
@@ -79,6 +80,8 @@ cfg.CONF.register_cli_opts([
 MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
 STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
+RECONCILE_S = 0.1       # the data path's backlogs against the kernel's, this often
+RECONCILE_SLACK_BYTES = 1600    # a frame in flight to the peer: not a discrepancy
 REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 LOCAL_EXPERIMENTAL_ETHERTYPE = 0x88B5   # IEEE 802: for local experiments, never routed
 # SO_PRIORITY naming the htb root itself (1:0): htb sends the frame directly, ahead of
@@ -88,48 +91,17 @@ KICK_FRAME = (b"\xff" * 6 + b"\x02\xfc\x00\x00\x00\x00"
               + LOCAL_EXPERIMENTAL_ETHERTYPE.to_bytes(2, "big") + b"\0" * 46)
 
 
-@dataclass
-class Config:
-    version: int = 0
-    ecn: str = "off"                 # controller | red | off (red: the kernel marks)
-    kmin_bytes: int = 0
-    kmax_bytes: int = 0
-    pmax: float = 0.0
-    pfc: bool = False
-    lossless: dict = field(default_factory=dict)     # priority (str) -> [xoff, xon] bytes
-    pause_quanta: int = 0xFFFF
-    sample_ms: float = 2.0
-    watchdog_ms: float = 500.0
-    queue: dict = field(default_factory=dict)        # lab/queues.py QueueParams, as a dict
-    host_pids: dict = field(default_factory=dict)    # GPU host -> a process in its namespace
-    dataplane: bool = False          # the per-packet BPF data path is attached (lab/dataplane.py)
-    red_wlog: int = 0                # RED's EWMA weight 2^-wlog (ecn "bpf")
+def queue_params(c: CongestionConfig) -> queues.QueueParams:
+    return queues.QueueParams(**c.queue)
 
-    @property
-    def queues(self) -> queues.QueueParams:
-        return queues.QueueParams(**self.queue)
 
-    @property
-    def thresholds(self) -> dict[int, tuple[int, int]]:
-        """Lossless priority -> (XOFF, XON) in bytes, when PFC is on."""
-        return {int(p): (x[0], x[1]) for p, x in self.lossless.items()} if self.pfc else {}
-
-    @property
-    def active(self) -> bool:
-        """The sampling loop has work: marking or PFC without the data path."""
-        return self.ecn == "controller" or (self.pfc and not self.dataplane)
-
-    @property
-    def needs_realtime(self) -> bool:
-        return self.active or (self.dataplane and (self.pfc or self.ecn == "bpf"))
-
-    def mark_probability(self, backlog: int) -> float:
-        """RED's marking curve over the (instantaneous) backlog."""
-        if backlog < self.kmin_bytes:
-            return 0.0
-        if backlog >= self.kmax_bytes:
-            return 1.0
-        return self.pmax * (backlog - self.kmin_bytes) / max(1, self.kmax_bytes - self.kmin_bytes)
+def mark_probability(c: CongestionConfig, backlog: int) -> float:
+    """RED's marking curve over the (instantaneous) backlog: the sampling mode's."""
+    if backlog < c.kmin_bytes:
+        return 0.0
+    if backlog >= c.kmax_bytes:
+        return 1.0
+    return c.pmax * (backlog - c.kmin_bytes) / max(1, c.kmax_bytes - c.kmin_bytes)
 
 
 @dataclass
@@ -140,6 +112,7 @@ class PortCounters:
     xon_frames_sent: int = 0
     xoff_frames_received: int = 0
     xon_frames_received: int = 0
+    written_off_bytes: int = 0         # left the queue unseen by the data path (reconcile)
     paused_s: float = 0.0
     ce_marked_packets: int = 0
 
@@ -170,7 +143,7 @@ class CongestionControl(app_manager.OSKenApp):
         conf = cfg.CONF.fabriclab
         self.fabric = Fabric.load(conf.fabric_file)
         self.config_file = Path(conf.congestion_file) if conf.congestion_file else None
-        self.config = Config()
+        self.config = CongestionConfig()
         self.config_mtime = 0
         self.ports = self._ports()
         self.host_names = {h.name for h in self.fabric.hosts}
@@ -194,9 +167,9 @@ class CongestionControl(app_manager.OSKenApp):
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
         self.reaction = {"signal": GapHistogram(), "pause": GapHistogram()}
         self.pausing: dict[tuple[str, int], tuple[float, set]] = {}   # XOFF -> gates to close
+        self.excess: dict[tuple[int, int], int] = {}    # slot, prio -> at the last reconcile
         if self.config_file:
-            self.event_log = open(self.config_file.with_name("congestion-events.jsonl"), "a")
-            self.state_file = self.config_file.with_name("congestion-state.json")
+            self.event_log = open(self.config_file.with_name(EVENTS_FILE), "a")
             self.threads.append(hub.spawn(self.loop))
             self.threads.append(hub.spawn(self.writer))
 
@@ -277,25 +250,28 @@ class CongestionControl(app_manager.OSKenApp):
     # --- the sampling loop ------------------------------------------------------------
     def loop(self):
         dump = tcnl.Netlink()
-        last_step = 0.0
+        last_step = last_reconcile = 0.0
         tick = time.monotonic()
         while True:
             try:
                 with self.lock:
                     self.reload()
                     now = time.time()
-                    if self.config.active:
+                    if self.config.sampling:
                         if last_step:
                             self.gaps.add(now - last_step)
                         last_step = now
                         self.step(dump.qdiscs(), now)
                     else:
                         last_step = 0.0
+                    if self.table is not None and now - last_reconcile >= RECONCILE_S:
+                        last_reconcile = now
+                        self.reconcile(dump.qdiscs())
                     self.expire_gates(now)
             except Exception:   # keep the switches' congestion handling alive; say why
                 self.logger.exception("congestion loop")
             # A fixed cadence (not a sleep after the work): a sample every sample_ms.
-            tick = max(tick + (self.config.sample_ms / 1000 if self.config.active
+            tick = max(tick + (self.config.sample_ms / 1000 if self.config.sampling
                                else IDLE_POLL_S), time.monotonic())
             hub.sleep(max(0.0, tick - time.monotonic()))
 
@@ -313,7 +289,7 @@ class CongestionControl(app_manager.OSKenApp):
                     continue
             b = backlog.get((port.ifindex, PRIORITY_ROCE_DATA))
             if c.ecn == "controller" and b is not None:
-                self.mark(port, random.random() < c.mark_probability(b), b)
+                self.mark(port, random.random() < mark_probability(c, b), b)
             for prio, (xoff, xon) in c.thresholds.items():
                 b = backlog.get((port.ifindex, prio))
                 if b is not None:
@@ -388,7 +364,7 @@ class CongestionControl(app_manager.OSKenApp):
         self.ring = dataplane.open_events()
         self.threads.append(hub.spawn(self.signals))
 
-    def apply_dataplane(self, c: Config, lossless: dict[int, tuple[int, int]]) -> None:
+    def apply_dataplane(self, c: CongestionConfig, lossless: dict[int, tuple[int, int]]) -> None:
         """ECN marking and the PFC thresholds of every switch port, into the table."""
         mask = 1 << PRIORITY_ROCE_DATA if c.ecn == "bpf" else 0
         for key, port in self.ports.items():
@@ -451,6 +427,45 @@ class CongestionControl(app_manager.OSKenApp):
             self.send_pfc(port, prio, 0)
             del self.xoff_sent[key]
             self.event("xon", port, prio=prio, backlog=e["value"], t=seen)
+
+    def reconcile(self, stats: list[tcnl.QdiscStats]) -> None:
+        """Each switch queue's backlog as the data path counts it, against the kernel's:
+        bytes it still counts that the kernel no longer holds, at two looks in a row (a
+        frame on its way to the peer arrives within microseconds), left unseen: a queue
+        flushed as its link went down, or the peer's program gone with its namespace.
+        They are written off, and an XOFF they were holding up is resumed."""
+        gates = {tcnl.handle(queues.gate_major(prio)): prio for prio in range(8)}
+        kernel = {(q.ifindex, gates[q.handle]): q.backlog_bytes for q in stats
+                  if q.handle in gates}
+        lossless = self.config.thresholds
+        for key, port in self.ports.items():
+            slot = self.slot_of[key]
+            if port.ifindex is None:
+                try:
+                    port.ifindex = socket.if_nametoindex(port.intf)
+                except OSError:
+                    continue
+            for prio in range(8):
+                k = kernel.get((port.ifindex, prio))
+                if k is None:
+                    continue
+                excess = self.table.backlog_bytes(slot, prio) - k
+                gone = min(self.excess.get((slot, prio), 0), excess)
+                self.excess[(slot, prio)] = excess
+                if gone <= RECONCILE_SLACK_BYTES:
+                    continue
+                self.table.write_off(slot, prio, gone)
+                self.excess[(slot, prio)] = excess - gone
+                self.count(port, prio).written_off_bytes += gone
+                self.event("written_off", port, prio=prio, bytes=gone)
+                xkey = (port.device, port.port, prio)
+                if xkey in self.xoff_sent and \
+                        self.table.backlog_bytes(slot, prio) <= lossless.get(prio, (0, 0))[1]:
+                    self.table.clear_xoff(slot, prio)
+                    self.send_pfc(port, prio, 0)
+                    del self.xoff_sent[xkey]
+                    self.event("xon", port, prio=prio, backlog=self.table.backlog_bytes(slot,
+                                                                                         prio))
 
     def gate_closed_for(self, s: dataplane.Slot, prio: int, t: float) -> None:
         """The reaction: from the queue passing XOFF to the last upstream gate closed."""
@@ -544,7 +559,7 @@ class CongestionControl(app_manager.OSKenApp):
     def set_gate(self, port: Port, prio: int, rate_bytes_s: int) -> None:
         if port.ifindex is None:
             port.ifindex = socket.if_nametoindex(port.intf)
-        q = self.config.queues
+        q = queue_params(self.config)
         limit = q.host_buffer_bytes(prio) if port.netns_pid else q.buffer_bytes(prio)
         nl = port.nl or self.gate_nl
         paused = rate_bytes_s == queues.PAUSED_RATE_BYTES_S
@@ -610,7 +625,7 @@ class CongestionControl(app_manager.OSKenApp):
         if mtime == self.config_mtime:
             return
         self.config_mtime = mtime
-        new = Config(**json.loads(self.config_file.read_text()))
+        new = CongestionConfig.read(self.config_file)
         now = time.time()
         if new.ecn != "controller":
             for key in list(self.marking):
@@ -623,8 +638,8 @@ class CongestionControl(app_manager.OSKenApp):
         for (sw, p, prio) in list(self.gates):
             if prio not in lossless:
                 self.open_gate(self.port_of(sw, p), prio, now)
-        if new.needs_realtime != self.config.needs_realtime:
-            self.realtime(new.needs_realtime)
+        if new.realtime != self.config.realtime:
+            self.realtime(new.realtime)
         if new.dataplane:
             self.open_dataplane()
             self.apply_dataplane(new, lossless)
@@ -693,9 +708,7 @@ class CongestionControl(app_manager.OSKenApp):
 
     def write_state(self, state: dict) -> None:
         with self.write_lock:   # the writer thread, or a reload in the sampling loop
-            tmp = self.state_file.with_name(".congestion-state.tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.state_file)
+            write_state(self.config_file.parent, state)
 
     def state(self) -> dict:
         now = time.time()
@@ -743,7 +756,8 @@ class GapHistogram:
 
     def summary(self) -> dict:
         return {"samples": self.count, "gap_ms_p50": self.quantile_ms(0.5),
-                "gap_ms_p99": self.quantile_ms(0.99), "gap_ms_max": round(self.max_s * 1e3, 3)}
+                "gap_ms_p99": self.quantile_ms(0.99), "gap_ms_p999": self.quantile_ms(0.999),
+                "gap_ms_max": round(self.max_s * 1e3, 3)}
 
 
 def wait_readable(f, timeout_s: float) -> None:

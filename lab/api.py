@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from controllers import protocol
 from lab import allreduce as allreduce_mod
 from lab import report
 from lab.congestion import CongestionParams, read_state, set_congestion
@@ -80,7 +81,7 @@ class Lab:
         try:
             self.net = FabricNetwork(self.topo, self.workdir, self.queues,
                                      progress=self.progress).__enter__()
-            state = self.net.controller.congestion_file.with_name("congestion-state.json")
+            state = self.net.controller.workdir / protocol.STATE_FILE
             self.telemetry = QueueTelemetry(self.topo.fabric, self.workdir / "queues.csv",
                                             TELEMETRY_INTERVAL_MS, controller_state=state)
             self.telemetry.start()

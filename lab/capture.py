@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab import queues, state
@@ -18,6 +19,29 @@ from lab.errors import LabError, UsageError
 from topologies.fabric import Fabric
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
+PCAP_RECORD_BYTES = 16          # a pcap record's header
+# Wireshark display filters that show the lab's points, counted in every capture (the
+# report lists them with their counts); no commas (tshark's io,stat splits on them)
+FILTERS = {
+    "CE-marked frames": "ip.dsfield.ecn == 3",
+    "CNPs": "infiniband.bth.opcode == 129",
+    "PFC XOFF, priority 3": "macc.opcode == 0x0101 && macc.cbfc.pause_time.c3 > 0",
+    "PFC XON, priority 3": "macc.opcode == 0x0101 && macc.cbfc.pause_time.c3 == 0",
+    "RoCE NAKs": "infiniband.aeth.syndrome >= 0x60 && infiniband.aeth.syndrome < 0x80",
+    "RoCE data frames": "udp.dstport == 4791 && infiniband.bth.opcode < 64",
+}
+# a pcap-filter keeping all but the unmarked RoCE data frames (DSCP 26, ECN not CE): what
+# shows marks, CNPs, ACKs/NAKs and pauses in a fraction of the bytes
+NOT_PLAIN_ROCE_DATA = "not (udp dst port 4791 and (ip[1] & 0xfc) = 0x68 and (ip[1] & 3) != 3)"
+
+
+@dataclass
+class CapturePlan:
+    """What an experiment finds worth capturing: ports, and a pcap-filter (or None: all)."""
+    ports: list[str]
+    tcpdump_filter: str | None = None
+    keeps: str = "every frame"
+    extra: dict = field(default_factory=dict)
 START_WAIT_S = 0.3
 SETTLE_QUIET_S = 0.5
 SETTLE_MAX_S = 10.0
@@ -44,18 +68,28 @@ def resolve(fabric: Fabric, spec: str) -> list[str]:
 class Captures:
     """tcpdump per port; stopped (and its pcap flushed) on exit."""
 
-    def __init__(self, fabric: Fabric, specs: list[str], outdir: Path, max_mb: float = 20.0):
+    def __init__(self, fabric: Fabric, specs: list[str], outdir: Path, max_mb: float = 20.0,
+                 snaplen: int = 0, tcpdump_filter: str | None = None):
+        """max_mb: per port; snaplen: bytes kept of each frame (0: all); tcpdump_filter:
+        a pcap-filter of the frames to keep."""
         self.intfs = sorted({intf for s in specs for intf in resolve(fabric, s)})
         self.outdir = Path(outdir)
-        self.max_packets = max(100, int(max_mb * 1e6 / FRAME_BYTES_BOUND))
+        self.snaplen, self.tcpdump_filter = snaplen, tcpdump_filter
+        frame = snaplen + PCAP_RECORD_BYTES if snaplen else FRAME_BYTES_BOUND
+        self.max_packets = max(100, int(max_mb * 1e6 / frame))
         self.procs: dict[str, subprocess.Popen] = {}
         self.dropped: dict[str, int | None] = {}     # by tcpdump itself (None: unknown)
 
     def __enter__(self) -> "Captures":
         self.outdir.mkdir(parents=True, exist_ok=True)
         for intf in self.intfs:
-            proc = subprocess.Popen(["tcpdump", "-i", intf, "-w", str(self.path(intf)), "-U",
-                                     "-c", str(self.max_packets)],
+            cmd = ["tcpdump", "-i", intf, "-w", str(self.path(intf)), "-U",
+                   "-c", str(self.max_packets)]
+            if self.snaplen:
+                cmd += ["-s", str(self.snaplen)]
+            if self.tcpdump_filter:
+                cmd.append(self.tcpdump_filter)
+            proc = subprocess.Popen(cmd,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             state.record_process(proc.pid, f"-w {self.path(intf)}", "capture")
             self.procs[intf] = proc
@@ -101,5 +135,21 @@ class Captures:
     def summary(self) -> dict[str, dict]:
         return {intf: {"file": str(self.path(intf)), "bytes": self.path(intf).stat().st_size
                        if self.path(intf).exists() else 0, "packet_cap": self.max_packets,
-                       "dropped_by_tcpdump": self.dropped.get(intf)}
+                       "dropped_by_tcpdump": self.dropped.get(intf),
+                       "counts": count(self.path(intf), FILTERS)}
                 for intf in self.intfs}
+
+
+def count(pcap: Path, filters: dict[str, str]) -> dict[str, int] | None:
+    """Frames matching each display filter, in one pass of tshark (None: no tshark, or
+    it could not read the file)."""
+    if not pcap.exists():
+        return None
+    r = subprocess.run(["tshark", "-q", "-r", str(pcap), "-z",
+                        "io,stat,0," + ",".join(filters.values())],
+                       capture_output=True, text=True)
+    rows = [ln for ln in r.stdout.splitlines() if "<>" in ln]
+    if r.returncode or not rows:
+        return None
+    cells = [c.strip() for c in rows[-1].strip().strip("|").split("|")][1:]
+    return {name: int(cells[2 * i]) for i, name in enumerate(filters)}

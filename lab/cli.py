@@ -131,7 +131,8 @@ def cmd_run(args) -> int:
         out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
                                      progress=progress, capture=args.capture,
                                      capture_mb=args.capture_mb,
-                                     controller_runtime=args.controller_runtime)
+                                     controller_runtime=args.controller_runtime,
+                                     use_dataplane=args.congestion_datapath == "bpf")
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
@@ -141,7 +142,8 @@ def cmd_run(args) -> int:
     workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
                                  capture=args.capture, live=args.live,
                                  capture_mb=args.capture_mb,
-                                 controller_runtime=args.controller_runtime)
+                                 controller_runtime=args.controller_runtime,
+                                 use_dataplane=args.congestion_datapath == "bpf")
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0 if result["passed"] else 1
@@ -353,6 +355,10 @@ def build_parser() -> Parser:
                    help="size cap of each port's pcap (default 20)")
     r.add_argument("--live", action="store_true",
                    help="print the hottest queues every second while it runs")
+    r.add_argument("--congestion-datapath", choices=["bpf", "sampling"], default="bpf",
+                   help="ECN marking and the PFC trigger per packet in the switch ports' BPF "
+                        "programs (default, where the kernel allows), or by the controller "
+                        "sampling the queues every millisecond (the fallback)")
     r.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run it N times (results in OUT/run-1..N) and report each claim's "
                         "pass rate (repeat.json)")

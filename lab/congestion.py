@@ -26,11 +26,11 @@ XOFF/XON: "3,0:12/6" makes priority 0 lossless too, pausing at 12 KB and resumin
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import time
 from dataclasses import dataclass
 
+from controllers import protocol
 from lab import doctor, queues
 from lab import events as lab_events
 from lab.errors import LabError, UsageError
@@ -137,22 +137,17 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
     if want_red != net.queue_params.red:
         set_red(net, want_red)
     version = net.congestion_version = getattr(net, "congestion_version", 0) + 1
-    config = {"version": version, "ecn": mode,
-              "kmin_bytes": int(params.kmin_kb * 1024), "kmax_bytes": int(params.kmax_kb * 1024),
-              "pmax": params.pmax, "pfc": params.pfc,
-              "lossless": {str(prio): [int(xoff * 1024), int(xon * 1024)]
-                           for prio, (xoff, xon) in params.thresholds_kb().items()},
-              "pause_quanta": params.pause_quanta,
-              "sample_ms": params.sample_period_ms(net.machine_factor),
-              "watchdog_ms": params.watchdog_ms,
-              "queue": dataclasses.asdict(net.queue_params),
-              "host_pids": {h.name: net.host_pid(h.name) for h in net.fabric.hosts},
-              "dataplane": net.dataplane is not None,
-              "red_wlog": queues.red_wlog(params.kmin_kb * 1024, params.kmax_kb * 1024)}
-    path = net.controller.congestion_file
-    tmp = path.with_name(".congestion.json.tmp")
-    tmp.write_text(json.dumps(config))
-    tmp.replace(path)
+    protocol.CongestionConfig(
+        version=version, ecn=mode,
+        kmin_bytes=int(params.kmin_kb * 1024), kmax_bytes=int(params.kmax_kb * 1024),
+        pmax=params.pmax, red_wlog=queues.red_wlog(params.kmin_kb * 1024, params.kmax_kb * 1024),
+        pfc=params.pfc,
+        lossless={str(prio): [int(xoff * 1024), int(xon * 1024)]
+                  for prio, (xoff, xon) in params.thresholds_kb().items()},
+        pause_quanta=params.pause_quanta, sample_ms=params.sample_period_ms(net.machine_factor),
+        watchdog_ms=params.watchdog_ms, queue=dataclasses.asdict(net.queue_params),
+        host_pids={h.name: net.host_pid(h.name) for h in net.fabric.hosts},
+        dataplane=net.dataplane is not None).write(net.controller.workdir)
     deadline = time.monotonic() + timeout_s
     while read_state(net).get("version") != version:
         if time.monotonic() > deadline:
@@ -164,14 +159,9 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
 
 def read_state(net) -> dict:
     """The controller's congestion counters: {"counters": {"switch:port": {prio: {...}}}, ...}."""
-    path = net.controller.congestion_file.with_name("congestion-state.json")
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
+    return protocol.read_state(net.controller.workdir)
 
 
 def events(net, since: float = 0.0) -> list[dict]:
     """The congestion app's events (xoff, xon, gates, marking, watchdog) since `since`."""
-    return lab_events.read(net.controller.congestion_file.with_name("congestion-events.jsonl"),
-                           since)
+    return lab_events.read(net.controller.workdir / protocol.EVENTS_FILE, since)

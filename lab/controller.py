@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from controllers import protocol
 from lab import ryu, state
 from lab.errors import LabError
 from topologies.fabric import Fabric
@@ -39,7 +40,7 @@ class Controller:
         self.port = free_port()
         self.fabric_file = self.workdir / "fabric.json"
         self.status_file = self.workdir / "controller.status"
-        self.congestion_file = self.workdir / "congestion.json"
+        self.congestion_file = self.workdir / protocol.CONFIG_FILE
         self.routing_file = self.workdir / "routing.json"     # read by fabric_router
         self.log_file = self.workdir / "logs" / "controller.log"
         self.proc: subprocess.Popen | None = None
@@ -48,8 +49,7 @@ class Controller:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.fabric.save(self.fabric_file)
         self.status_file.write_text("")
-        for name in ("congestion.json", "congestion-state.json", "congestion-events.jsonl",
-                     "routing.json", "routing-events.jsonl"):
+        for name in (*protocol.FILES, "routing.json", "routing-events.jsonl"):
             (self.workdir / name).unlink(missing_ok=True)   # a fresh run's files only
         marker = f"--status {self.status_file}"
         interpreter = sys.executable if self.runtime == "os-ken" else str(ryu.ensure())

@@ -15,7 +15,9 @@
  *            port must stop: signalled at once to user space, which closes the
  *            port's gate).
  * A queue's backlog is what entered it minus what left it (both counted per
- * packet), not a sample. Events go to user space through a ring buffer; the
+ * packet), not a sample. What leaves unseen (a queue flushed when its link goes
+ * down) user space finds against the kernel's own backlog and writes off
+ * (out_adjust). Events go to user space through a ring buffer; the
  * counters sit in one array, mapped into user space. Each program instance is
  * told its port's slot through read-only data (the loader fills it in).
  */
@@ -63,6 +65,7 @@ struct prio_state {
 	__u64 rx_packets;       /* arrived on this port's ingress (into its switch) */
 	__u64 rx_bytes;
 	__u64 red_r;            /* RED: marks/packets threshold drawn at the last mark */
+	__u64 out_adjust;       /* bytes user space found gone without being seen leaving */
 	__u32 xoff;             /* 1 while XOFF is signalled */
 	__s32 red_count;        /* RED: packets since the last mark (-1: outside Kmin..Kmax) */
 };
@@ -88,7 +91,7 @@ struct event {
 	__u16 quanta[PRIOS];    /* PAUSE_RX: pause time per priority */
 };
 
-_Static_assert(sizeof(struct port) == 1432, "lab/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct port) == 1496, "lab/dataplane.py's PORT_BYTES");
 _Static_assert(sizeof(struct event) == 40, "lab/dataplane.py's EVENT");
 
 /* The maps: the loader creates them (no BTF needed) and binds these symbols. */
@@ -97,6 +100,7 @@ char events[4] SEC("maps");
 
 volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
 volatile const __u32 peer_slot = NO_SLOT;   /* the port at the other end (ingress) */
+volatile const __u32 switch_port = 0;       /* 1: a switch's MAC, which consumes pauses */
 
 static __always_inline struct port *port_at(__u32 slot)
 {
@@ -126,7 +130,7 @@ static __always_inline int classify(struct __sk_buff *skb, struct port *p, struc
 
 static __always_inline __u64 backlog_of(struct prio_state *q)
 {
-	__u64 in = q->in_bytes, out = q->out_bytes;
+	__u64 in = q->in_bytes, out = q->out_bytes + q->out_adjust;
 
 	return in > out ? in - out : 0;
 }
@@ -327,7 +331,10 @@ int port_ingress(struct __sk_buff *skb)
 		for (i = 0; i < PRIOS; i++)
 			e->quanta[i] = bpf_ntohs(mc.time[i]);
 		bpf_ringbuf_submit(e, 0);
-		return TC_ACT_OK;
+		/* a switch's MAC acts on a pause frame and forwards it nowhere (a capture on
+		 * the port still shows it: taps see frames before this hook); a GPU host's
+		 * transport reads it too, as its NIC's driver would report it */
+		return switch_port ? TC_ACT_SHOT : TC_ACT_OK;
 	}
 	own = port_at(port_slot);
 	if (own) {     /* what enters the switch: frames lost inside it show against this */

@@ -45,12 +45,15 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 _HEAD = struct.Struct("=6I64s")             # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, dscp
 _CFG = struct.Struct("=4I")                 # limit, xoff, xon, pad
-_STATE = struct.Struct("=18QIi")
+_STATE = struct.Struct("=19QIi")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
                 "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
-                "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "xoff", "red_count")
+                "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust", "xoff",
+                "red_count")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
+OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
+XOFF_AT = STATE_FIELDS.index("xoff") * 8
 CFG_AT = _HEAD.size
 STATE_AT = CFG_AT + PRIOS * _CFG.size
 # struct event
@@ -187,7 +190,12 @@ class PortTable:
 
     def clear_xoff(self, slot: int, prio: int) -> None:
         """Forget a signalled XOFF (PFC turned off while a queue was paused)."""
-        struct.pack_into("=I", self.mem, self._state_at(slot, prio) + 18 * 8, 0)
+        struct.pack_into("=I", self.mem, self._state_at(slot, prio) + XOFF_AT, 0)
+
+    def write_off(self, slot: int, prio: int, nbytes: int) -> None:
+        """Bytes that left the queue unseen (user space is this field's only writer)."""
+        at = self._state_at(slot, prio) + OUT_ADJUST_AT
+        struct.pack_into("=Q", self.mem, at, struct.unpack_from("=Q", self.mem, at)[0] + nbytes)
 
     # counters (the programs write)
     def _state_at(self, slot: int, prio: int) -> int:
@@ -196,13 +204,14 @@ class PortTable:
     def counters(self, slot: int, prio: int) -> dict[str, int]:
         values = _STATE.unpack_from(self.mem, self._state_at(slot, prio))
         out = dict(zip(STATE_FIELDS, values))
-        out["backlog_bytes"] = max(0, out["in_bytes"] - out["out_bytes"])
+        out["backlog_bytes"] = max(0, out["in_bytes"] - out["out_bytes"] - out["out_adjust"])
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
     def backlog_bytes(self, slot: int, prio: int) -> int:
-        inb, outb = struct.unpack_from("=QQ", self.mem, self._state_at(slot, prio))
-        return max(0, inb - outb)
+        at = self._state_at(slot, prio)
+        inb, outb = struct.unpack_from("=QQ", self.mem, at)
+        return max(0, inb - outb - struct.unpack_from("=Q", self.mem, at + OUT_ADJUST_AT)[0])
 
     def close(self) -> None:
         self.mem.close()
@@ -255,36 +264,58 @@ class Dataplane:
         return dp
 
     def _attach_programs(self, obj: bpf.ElfObject, host_pids: dict[str, int]) -> None:
-        maps = {"ports": self.table.map.fd, "events": self.events.fd}
-        peer = peers(self.fabric)
         root = tcnl.Netlink()
         per_ns: dict[str, tcnl.Netlink] = {}
         try:
             for i, s in enumerate(self.slots):
                 if s.switch:
-                    nl, ifindex = root, socket.if_nametoindex(s.intf)
-                else:
-                    pid = host_pids[s.node]
-                    if s.node not in per_ns:
-                        per_ns[s.node] = tcnl.Netlink(netns.socket_in_netns(
-                            pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK))
-                    nl, ifindex = per_ns[s.node], netns.ifindex_in_netns(pid, s.intf)
-                nl.add_clsact(ifindex)
-                other = peer[i]
-                progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
-                          {"port_slot": i,
-                           "peer_slot": other if self.slots[other].switch else NO_SLOT})]
-                if s.switch:
-                    progs.append(("tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": i}))
-                for section, hook, consts in progs:
-                    fd = obj.load(section, maps, consts, name=f"fl_{section[3:]}")
-                    try:
-                        nl.attach_bpf(ifindex, hook, fd, f"{NAME_PREFIX}{section[3:]}")
-                    finally:
-                        os.close(fd)
+                    self._attach(obj, i, root, socket.if_nametoindex(s.intf))
+                    continue
+                pid = host_pids[s.node]
+                if s.node not in per_ns:
+                    per_ns[s.node] = tcnl.Netlink(netns.socket_in_netns(
+                        pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK))
+                self._attach(obj, i, per_ns[s.node], netns.ifindex_in_netns(pid, s.intf))
         finally:
             root.close()
             for nl in per_ns.values():
+                nl.close()
+
+    def _attach(self, obj: bpf.ElfObject, slot: int, nl: tcnl.Netlink, ifindex: int) -> None:
+        """A link end's programs: ingress everywhere, egress on a switch port."""
+        s, other = self.slots[slot], peers(self.fabric)[slot]
+        maps = {"ports": self.table.map.fd, "events": self.events.fd}
+        nl.add_clsact(ifindex)
+        progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
+                  {"port_slot": slot, "switch_port": int(s.switch),
+                   "peer_slot": other if self.slots[other].switch else NO_SLOT})]
+        if s.switch:
+            progs.append(("tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": slot}))
+        for section, hook, consts in progs:
+            fd = obj.load(section, maps, consts, name=f"fl_{section[3:]}")
+            try:
+                nl.attach_bpf(ifindex, hook, fd, f"{NAME_PREFIX}{section[3:]}")
+            finally:
+                os.close(fd)
+
+    def reattach_host(self, host: str, pid: int | None) -> None:
+        """A GPU host's NIC moved to another namespace (pid's; None: the root one, as
+        Soft-RoCE needs): the move shut its qdiscs down, programs included, and the
+        switch port feeding it would count what it sends as never leaving."""
+        obj = bpf.ElfObject(build())
+        for i, s in enumerate(self.slots):
+            if s.node != host:
+                continue
+            if pid is None:
+                nl, ifindex = tcnl.Netlink(), socket.if_nametoindex(s.intf)
+            else:
+                nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW,
+                                                        tcnl.NETLINK_ROUTE,
+                                                        family=socket.AF_NETLINK))
+                ifindex = netns.ifindex_in_netns(pid, s.intf)
+            try:
+                self._attach(obj, i, nl, ifindex)
+            finally:
                 nl.close()
 
     def counters(self, node: str, port: int, prio: int) -> dict[str, int]:

@@ -197,13 +197,55 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def captures_text(result: dict) -> list[str]:
+    """The pcaps (relative links), what they keep, and per Wireshark display filter the
+    frames tshark counts in each."""
     caps = result["metrics"].get("captures")
     if not caps:
         return []
-    lines = [f"- `{Path(c['file']).name}` ({c['bytes']:,} bytes)" for c in caps["ports"].values()]
+    ports = caps["ports"]
+    lines = [f"- [`captures/{Path(c['file']).name}`](captures/{Path(c['file']).name}) "
+             f"({c['bytes']:,} bytes" + (f"; tcpdump dropped {c['dropped_by_tcpdump']}"
+                                          if c.get("dropped_by_tcpdump") else "") + ")"
+             for c in ports.values()]
+    keeps = caps.get("keeps")
+    if keeps:
+        lines += ["", f"They hold {keeps}" + (f", the first {caps['snaplen']} bytes of each"
+                                              if caps.get("snaplen") else "") + "."]
+    filters = caps.get("filters", {})
+    if filters and any(c.get("counts") for c in ports.values()):
+        names = list(ports)
+        lines += ["", "| display filter | what it shows | " + " | ".join(names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for what, expr in filters.items():
+            counts = [str((ports[n].get("counts") or {}).get(what, "?")) for n in names]
+            lines.append(f"| `{expr}` | {what} | " + " | ".join(counts) + " |")
     return lines + ["", f"Open them with the lab's dissector: `{caps['open_with']}`; "
                         f"display filter for CNPs, CE marks and pause frames: "
                         f"`{caps['display_filter']}`"]
+
+
+def captures_html(caps: dict) -> str:
+    esc = html.escape
+    ports = caps["ports"]
+    out = ["<ul>"] + [f"<li><a href='captures/{esc(Path(c['file']).name)}'>"
+                      f"captures/{esc(Path(c['file']).name)}</a> ({c['bytes']:,} bytes)</li>"
+                      for c in ports.values()] + ["</ul>"]
+    if caps.get("keeps"):
+        out.append(f"<p>They hold {esc(caps['keeps'])}"
+                   + (f", the first {caps['snaplen']} bytes of each" if caps.get("snaplen")
+                      else "") + ".</p>")
+    filters = caps.get("filters", {})
+    if filters and any(c.get("counts") for c in ports.values()):
+        out.append("<table><tr><th>display filter</th><th>what it shows</th>"
+                   + "".join(f"<th>{esc(n)}</th>" for n in ports) + "</tr>")
+        for what, expr in filters.items():
+            out.append(f"<tr><td><code>{esc(expr)}</code></td><td>{esc(what)}</td>"
+                       + "".join(f"<td>{(c.get('counts') or {}).get(what, '?')}</td>"
+                                 for c in ports.values()) + "</tr>")
+        out.append("</table>")
+    out.append(f"<p>Open them with the lab's dissector: <code>{esc(caps['open_with'])}</code>"
+               f"</p>")
+    return "".join(out)
 
 
 def markdown(result: dict, plots: list[tuple[str, Path]]) -> str:
@@ -245,9 +287,9 @@ def html_page(result: dict, plots: list[tuple[str, Path]]) -> str:
         data = base64.b64encode(path.read_bytes()).decode()
         body.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' "
                     f"src='data:image/png;base64,{data}'>")
-    caps = captures_text(result)
+    caps = result["metrics"].get("captures")
     if caps:
-        body.append("<h2>Captures</h2><pre>" + esc("\n".join(caps)) + "</pre>")
+        body.append("<h2>Captures</h2>" + captures_html(caps))
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}"
              "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;"
              "padding:2px 6px}.pass td:first-child{color:#070}.fail td:first-child"

@@ -32,13 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from controllers import protocol
 from lab import calibrate
 from lab import experiments as experiments_pkg
 from lab import report
 from lab.errors import LabError, UsageError
 from lab.queues import QueueParams
 from lab.network import FabricNetwork
-from lab.capture import Captures
+from lab.capture import FILTERS, CapturePlan, Captures
+from lab.capture import resolve as capture_resolve
 from lab.state import RunLock
 from lab.telemetry import QueueTelemetry, render
 from traffic.samples import WIRESHARK_LUA
@@ -219,9 +221,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def run(name: str, settings: list[str], out: Path | None = None,
         progress: Callable[[str], None] = print, capture: list[str] | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
-        capture_mb: float = 20.0) -> tuple[Path, dict]:
-    """capture: switch ports to record (lab/capture.py), each up to capture_mb; live:
-    print the hottest queues every second while the experiment runs."""
+        capture_mb: float = 20.0, capture_snaplen: int = 0,
+        use_dataplane: bool = True) -> tuple[Path, dict]:
+    """capture: switch ports to record (lab/capture.py), each up to capture_mb, or
+    ["auto"]: the ports the experiment finds worth it (its capture_plan), capture_mb in
+    all; live: print the hottest queues every second while the experiment runs;
+    use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run."""
     mod = load(name)
     calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
     factor = calibration.factor if calibration else 1.0
@@ -255,21 +260,30 @@ def run(name: str, settings: list[str], out: Path | None = None,
     with RunLock(f"fabriclab run {name}"):
         with FabricNetwork(topo, workdir, queue_params, progress=progress,
                            controller_runtime=controller_runtime,
-                           machine_factor=factor) as net:
+                           machine_factor=factor, use_dataplane=use_dataplane) as net:
             config["datapath"] = net.datapath
             config["congestion_datapath"] = "bpf" if net.dataplane else \
                 f"controller sampling ({net.dataplane_missing})"
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
-            captures = Captures(net.fabric, capture or [], workdir / "captures", capture_mb)
-            state = net.controller.congestion_file.with_name("congestion-state.json")
+            plan = CapturePlan(capture or [])
+            if plan.ports == ["auto"]:
+                plan = mod.capture_plan(net.fabric, params) if hasattr(mod, "capture_plan") \
+                    else CapturePlan([])
+                capture_mb /= max(1, len({i for spec in plan.ports
+                                          for i in capture_resolve(net.fabric, spec)}))
+            captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,
+                                capture_snaplen, plan.tcpdump_filter)
+            state = net.controller.workdir / protocol.STATE_FILE
             with QueueTelemetry(net.fabric, workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
                                 controller_state=state) as telemetry, captures, \
                     LiveView(telemetry, progress, enabled=live):
                 metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
-            if capture:
+            if plan.ports:
                 metrics["captures"] = {
                     "ports": captures.summary(),
+                    "keeps": plan.keeps, "snaplen": capture_snaplen or None,
+                    "filters": FILTERS,
                     "open_with": f"wireshark -X lua_script:{WIRESHARK_LUA} FILE.pcap",
                     "display_filter": CAPTURE_FILTER}
             metrics["telemetry"] = {"csv": "queues.csv", "sampling": telemetry.sampling(),

@@ -134,6 +134,8 @@ class RxeHosts:
         pid = self.pids[h.name]
         sh("mnexec", "-a", str(pid), "ip", "link", "set", h.intf.name, "netns", "1")
         try:
+            if self.net.dataplane:      # the move shut the NIC's programs down too
+                self.net.dataplane.reattach_host(h.name, None)
             sh("ip", "addr", "add", f"{h.ip}/{h.intf.prefix_len}", "dev", h.intf.name)
             sh("ip", "link", "set", h.intf.name, "up")
             for key, value in (("rp_filter", "0"), ("accept_local", "1")):
@@ -157,6 +159,8 @@ class RxeHosts:
                                      host=True)
         subprocess.run(ns + ["tc", "-batch", "-"], input="\n".join(lines) + "\n",
                        capture_output=True, text=True)
+        if self.net.dataplane:
+            self.net.dataplane.reattach_host(h.name, pid)
 
     def _nic_queues(self, h: RxeHost) -> None:
         q = dataclasses.replace(self.net.queue_params, host_buffer_kb=RXE_HOST_FIFO_KB, red=None)

@@ -20,6 +20,12 @@ from lab.errors import LabError
 RESULTS_DIR = runner.RESULTS_DIR
 
 
+# Every chapter whose point shows on the wire records pcaps of the ports its experiment
+# names (capture_plan), headers only, within these budgets: 20 MB for the whole tour.
+CAPTURE_SNAPLEN = 128        # Ethernet to the RoCE extension headers; payload cut
+CAPTURE_MB = {"incast": 7.0, "pfc-spreading": 4.0, "ecmp-vs-spray": 5.0, "loss-recovery": 4.0}
+
+
 @dataclass(frozen=True)
 class Chapter:
     title: str
@@ -106,8 +112,11 @@ def run(out: Path | None = None, only: list[str] | None = None,
         workdir = out / f"{i:02d}-{ch.experiment}"
         t0 = time.monotonic()
         try:
+            mb = CAPTURE_MB.get(ch.experiment, 0.0)
             _, result = runner.run(ch.experiment, list(ch.settings), workdir,
-                                   progress=lambda m: progress("  " + m))
+                                   progress=lambda m: progress("  " + m),
+                                   capture=["auto"] if mb else None, capture_mb=mb,
+                                   capture_snaplen=CAPTURE_SNAPLEN)
             done.append(ChapterResult(ch, workdir, time.monotonic() - t0, result))
         except LabError as e:     # the user sees it, and the rest of the story still runs
             done.append(ChapterResult(ch, workdir, time.monotonic() - t0, error=str(e)))
@@ -155,8 +164,9 @@ def _html(done: list[ChapterResult], total: float) -> str:
     esc = html.escape
     body = ["<h1>The fabriclab tour</h1>",
             f"<p>{len(done)} chapters in {total / 60:.1f} min: why GPUs wait on the network, "
-            f"and what each fix does. Each chapter links its full report (plots, tables, "
-            f"captures).</p>"]
+            f"and what each fix does. Each chapter links its full report (plots, tables, and "
+            f"where the point shows on the wire, pcaps with the display filters that show "
+            f"it).</p>"]
     for i, r in enumerate(done, 1):
         link = (f"<b class=fail>did not run: {esc(r.error)}</b>" if r.error else
                 f"<a href='{esc(r.workdir.name)}/report.html'>report</a>")

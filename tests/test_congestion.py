@@ -19,7 +19,6 @@ from topologies.registry import build_topo
 from traffic import pause
 from traffic.constants import PRIORITY_CNP, PRIORITY_ROCE_DATA
 from traffic.packets import pause_8023x, pfc_pause, pfc_resume
-from traffic.samples import WIRESHARK_LUA
 
 DSCP_TOS = {PRIORITY_ROCE_DATA: 26 << 2, PRIORITY_CNP: 48 << 2, 0: 0}
 
@@ -104,15 +103,20 @@ def test_dscp_picks_the_class_on_every_switch_port(tmp_path):
             assert sum(sent.values()) - sent[prio] <= 5, (prio, sent)   # ARP, IPv6 ND
 
 
-def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path):
+@pytest.mark.parametrize("use_dataplane", [True, False], ids=["bpf", "sampling"])
+def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dataplane):
     """A PFC frame sent by a host to its leaf closes the leaf's RoCE gate toward it:
     RoCE-class packets wait in the queue (not lost), ICMP in the default class still
     passes, the watchdog reports the long pause, a resume releases the queue, and
-    `fabriclab top` shows the paused queue."""
+    `fabriclab top` shows the paused queue. With the data path the leaf port's ingress
+    program signals the frame; without it (the fallback where BPF cannot run) OVS hands
+    it to the controller."""
     # 10 Mb/s links: a pause of 0xFFFF quanta lasts 3.4 s, longer than the test
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=10,
                       fabric_rate_mbps=10)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path, progress=lambda m: None,
+                       use_dataplane=use_dataplane) as net:
+        assert (net.dataplane is not None) == use_dataplane
         set_congestion(net, CongestionParams(pfc=True, watchdog_ms=150))
         g1 = net.fabric.host("g1").interface()
         port = queues.interface_name(g1.switch, g1.port)
@@ -154,6 +158,37 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path):
     assert not after["gates_closed"]
 
 
+def test_a_queue_flushed_unseen_is_written_off(tmp_path):
+    """The data path counts a queue's backlog from what it saw enter and leave; a queue
+    the kernel flushes (its link set down) leaves unseen. The controller finds that
+    against the kernel's own backlog and writes it off, so the port does not stay
+    'full' (dropping and pausing) once the link is back."""
+    topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=10,
+                      fabric_rate_mbps=10)
+    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+        set_congestion(net, CongestionParams(pfc=True))
+        g1 = net.fabric.host("g1").interface()
+        intf = queues.interface_name(g1.switch, g1.port)
+        send = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_PACKET, "
+                "socket.SOCK_RAW); s.bind(('g1-eth0', 0)); s.send(bytes.fromhex(sys.argv[1]))\" ")
+        net.mininet["g1"].cmd(send + pause.pfc_frame(g1.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex())
+        time.sleep(0.2)   # the leaf's gate toward g1 is closed: RoCE-class frames queue
+        net.mininet["g0"].cmd(f"ping -c 6 -s 1000 -i 0.05 -W 1 -Q "
+                              f"{DSCP_TOS[PRIORITY_ROCE_DATA]} {g1.ip}")
+        held = net.dataplane.counters(g1.switch, g1.port, PRIORITY_ROCE_DATA)["backlog_bytes"]
+        subprocess.run(["ip", "link", "set", intf, "down"], check=True)   # flushes the queue
+        deadline = time.monotonic() + 3
+        while net.dataplane.counters(g1.switch, g1.port, PRIORITY_ROCE_DATA)["backlog_bytes"]:
+            assert time.monotonic() < deadline, "the flushed backlog was not written off"
+            time.sleep(0.05)
+        subprocess.run(["ip", "link", "set", intf, "up"], check=True)
+        time.sleep(0.3)
+        state = read_state(net)
+    assert held >= 3 * 1000
+    written = state["counters"][f"{g1.switch}:{g1.port}"][str(PRIORITY_ROCE_DATA)]
+    assert written["written_off_bytes"] >= held - 1600, (written, held)
+
+
 def _udp_incast(net, dst: str, srcs: list[str], mbps: float, seconds: float) -> None:
     """UDP (priority 0) from each of `srcs` to `dst` at `mbps`, through iperf3."""
     ip = net.fabric.host(dst).interface().ip
@@ -193,7 +228,6 @@ def test_pfc_thresholds_per_priority(tmp_path):
     q = queues.QueueParams(control_buffer_kb=48)
     with FabricNetwork(topo, tmp_path, queue_params=q, progress=lambda m: None) as net:
         g0 = net.fabric.host("g0").interface()
-        port = queues.interface_name(g0.switch, g0.port)
         nl = tcnl.Netlink()
         drops = {}
         for lossless in ("3", "3,0:4/2"):
@@ -254,16 +288,18 @@ def test_datapath_lost_packets_sums_every_datapath(monkeypatch):
 
 
 # --- the experiments, small -----------------------------------------------------------
-def run_incast(out, machine_factor, *settings: str) -> dict:
+def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf") -> dict:
     """The incast with every port of its leaf captured; every claim held and every
     counter the captures can count equal to their count."""
     args = [a for kv in settings for a in ("--set", kv)]
     r = fabriclab("run", "incast", *args, "--capture", "fl-lf0", "--capture-mb", "60",
-                  "--out", str(out), timeout=int(400 / machine_factor))
+                  "--congestion-datapath", datapath, "--out", str(out),
+                  timeout=int(400 / machine_factor))
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
     failed = [c for c in m["claims"] if not c["passed"]]
     assert not failed, failed
+    assert m["congestion_datapath"].startswith("bpf" if datapath == "bpf" else "controller")
     incast_counters_equal_the_wire(out)
     return m
 
@@ -348,6 +384,20 @@ def test_incast_pfc_is_lossless(tmp_path, machine_factor):
         assert pfc["drops_elsewhere"] == {} and pfc["receiver_naks"] == 0, \
             {k: pfc[k] for k in ("drops_elsewhere", "receiver_naks", "timeouts",
                                  "retransmitted_packets", "backlog_bytes_max")}
+
+
+def test_without_bpf_the_controller_samples_and_pfc_holds_for_four_senders(tmp_path,
+                                                                          machine_factor):
+    """The fallback where BPF cannot run: the controller samples the queues every
+    millisecond. Four senders (15 ms to fill the headroom; eight resuming together fill
+    it in 6.4 ms, and a late sample then drops a few frames: why the data path exists):
+    lossless, no gap at any receiver, its counters equal to the wire's."""
+    m = run_incast(tmp_path / "incast", machine_factor, "variants=pfc", "senders=4",
+                   "hosts_per_leaf=5", datapath="sampling")
+    assert m["metrics"]["pfc"]["controller_sampling"]["samples"] > 1000
+    pfc = m["metrics"]["pfc"]
+    assert pfc["drops_packets"] == 0 and pfc["receiver_naks"] == 0
+    assert pfc["pause_frames_sent"] > 0 and pfc["drops_elsewhere"] == {}
 
 
 def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):

@@ -56,9 +56,12 @@ def test_teardown_after_success_and_after_failure(tmp_path):
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("wait_for", ["building", "fabric ready"])
 def test_ctrl_c_or_sigterm_tears_everything_down(wait_for, sig, code):
+    # as from a terminal: a suite started in the background by a shell without job control
+    # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored
     proc = subprocess.Popen(FABRICLAB + ["verify", "--leaves", "4", "--hosts-per-leaf", "4"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if wait_for in line:
             break

@@ -91,3 +91,24 @@ def test_the_tour_runs_its_chapters_and_links_their_reports(tmp_path):
     assert f"report: {out / 'index.html'}" in r.stdout
     bad = fabriclab("tour", "--only", "no-such-chapter", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 1 and "no tour chapter 'no-such-chapter'" in bad.stderr
+
+
+def test_a_tour_chapter_links_its_pcaps_with_filters_and_counts(tmp_path):
+    """loss-recovery's chapter captures the port into the lossy link, headers only, within
+    its budget; its report links the pcap and gives each display filter's tshark count:
+    the data frames are there, and RC's NAKs (go-back-N after each loss)."""
+    from lab import tour
+    out = tmp_path / "tour"
+    r = fabriclab("tour", "--only", "loss-recovery", "--out", str(out), timeout=400)
+    assert (out / "tour.json").exists(), r.stdout + r.stderr
+    chapter = out / "01-loss-recovery"
+    caps = json.loads((chapter / "metrics.json").read_text())["metrics"]["captures"]
+    [(intf, port)] = caps["ports"].items()
+    pcap = chapter / "captures" / f"{intf}.pcap"
+    assert pcap.exists() and port["bytes"] <= tour.CAPTURE_MB["loss-recovery"] * 1e6
+    assert caps["snaplen"] == tour.CAPTURE_SNAPLEN and port["dropped_by_tcpdump"] == 0
+    counts = port["counts"]
+    assert counts["RoCE data frames"] > 1000 and counts["RoCE NAKs"] > 0, counts
+    page = (chapter / "report.html").read_text()
+    assert f"captures/{intf}.pcap" in page and "infiniband.aeth.syndrome" in page
+    assert str(counts["RoCE NAKs"]) in page

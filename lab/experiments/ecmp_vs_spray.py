@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.capture import CapturePlan
 from lab.errors import UsageError
 from lab.gpus import GpuAgents, explicit_evs
 from lab.runner import Claim, RunContext
@@ -41,6 +42,13 @@ class Params:
 def uplink_bytes(leaf: str, spines: int) -> list[int]:
     return [int(Path(f"/sys/class/net/{leaf}-eth{p}/statistics/tx_bytes").read_text())
             for p in range(1, spines + 1)]
+
+
+def capture_plan(fabric, params: Params) -> CapturePlan:
+    """fl-lf0's spine uplinks: which entropy values (UDP source ports) each carries;
+    RC's flows first (one port each, pinned), then MRC's sprayed ones."""
+    return CapturePlan([f"fl-lf0:{p}" for p in range(1, fabric.params["spines"] + 1)],
+                       "udp dst port 4791", "RoCE frames only")
 
 
 def flows(ctx: RunContext) -> list[tuple[str, str, int]]:

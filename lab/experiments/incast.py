@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from lab import ovs
+from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
@@ -87,6 +88,15 @@ class Params:
                                 kmin_kb=self.kmin_kb, kmax_kb=self.kmax_kb, pmax=self.pmax,
                                 pfc="pfc" in variant, xoff_kb=self.xoff_kb,
                                 xon_kb=self.xon_kb, sample_ms=self.sample_ms)
+
+
+def capture_plan(fabric, params: Params) -> CapturePlan:
+    """The bottleneck port (CE marks toward the receiver, its CNPs) and a sender's
+    port (the PFC frames that pause it): all but the unmarked data frames."""
+    hosts = [h.name for h in fabric.hosts]
+    return CapturePlan(hosts[:2], NOT_PLAIN_ROCE_DATA,
+                       "CE-marked data, CNPs, ACKs/NAKs and PFC frames (unmarked RoCE data "
+                       "frames are left out)")
 
 
 def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
@@ -174,6 +184,24 @@ def controller_counts(net, switch: str, port: int) -> dict:
             .get("ce_marked_packets", 0), "t": time.time()}
 
 
+def headroom(net, port, p: Params) -> dict:
+    """What PFC's headroom must hold, as a shared-buffer switch sizes it: per upstream
+    port 2 x (link delay + response time) x link rate + 2 MTU, the response being the
+    lab's own (XOFF to the last upstream gate closed, p99.9 so far; the links have no
+    delay here); every port of the switch can feed the congested queue."""
+    reaction = read_state(net).get("reaction", {}).get("pause", {})
+    response_s = reaction.get("gap_ms_p999", 0.0) / 1e3
+    rate_bytes_s = port.rate_mbps * 1e6 / 8
+    per_port = 2 * response_s * rate_bytes_s + 2 * FRAME_BYTES
+    feeders = len(net.fabric.switch_ports(port.switch)) - 1
+    return {"formula": "2 x (link delay + response) x rate + 2 MTU, per feeding port",
+            "response_ms_p999": round(response_s * 1e3, 3), "link_delay_ms": 0.0,
+            "per_port_bytes": int(per_port), "feeding_ports": feeders,
+            "needed_bytes": int(per_port * feeders),
+            "available_bytes": int(net.queue_params.buffer_bytes(PRIORITY_ROCE_DATA)
+                                   - p.xoff_kb * 1024)}
+
+
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                 senders: list[str]) -> dict:
     p, net = ctx.params, ctx.net
@@ -231,6 +259,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "backlog_bytes_p50": held.get("backlog_bytes_p50", 0),
         "backlog_bytes_p99": held.get("backlog_bytes_p99", 0),
         "backlog_bytes_max": q.get("backlog_bytes_max", 0),
+        "bottleneck_sent_packets": q.get("sent_packets", 0),
         "steady_window_s": [round(steady[0] - t0, 3), round(steady[1] - t0, 3)],
         "bottleneck_paused_s": q.get("paused_s", 0.0),
         "cnp_packets": sum(f["counters"]["cnps_received"] for f in flows),
@@ -242,6 +271,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                                             for f in flows),
         "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),
         "controller_sampling": read_state(net).get("sampling"),
+        "pfc_reaction_ms": read_state(net).get("reaction"),   # the run so far
+        "headroom": headroom(net, recv_if, p) if "pfc" in variant else None,
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
         "sender_goodput_pps": {s: round(r, 1) for s, r in goodputs.items()},
         "fair_share_pps": round(fair, 1),
@@ -265,6 +296,12 @@ def run(ctx: RunContext) -> dict:
         for variant in p.variant_list:
             ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
             m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
+            if m["headroom"]:
+                h = m["headroom"]
+                ctx.progress(f"  PFC headroom: {h['feeding_ports']} ports x "
+                             f"{h['per_port_bytes'] / 1024:.1f} KB (response p99.9 "
+                             f"{h['response_ms_p999']} ms) = {h['needed_bytes'] / 1024:.1f} KB "
+                             f"needed, {h['available_bytes'] / 1024:.1f} KB above XOFF")
             ctx.progress(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
                          f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
                          f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"

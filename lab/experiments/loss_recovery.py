@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
+from lab.capture import CapturePlan
 from lab.impair import RandomLoss
 from lab.runner import Claim, RunContext
 
@@ -31,6 +32,12 @@ class Params:
             raise UsageError(f"loss_percent must be in (0, 5], got {self.loss_percent}")
         if self.flow_mb <= 0:
             raise UsageError(f"flow_mb must be positive, got {self.flow_mb}")
+
+
+def capture_plan(fabric, params: Params) -> CapturePlan:
+    """The switch port into the lossy link: every frame sent toward the loss, so
+    retransmissions (a QP's PSN again) and RC's NAKs show."""
+    return CapturePlan([fabric.hosts[-1].name])
 
 
 def run(ctx: RunContext) -> dict:

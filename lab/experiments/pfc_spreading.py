@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import UsageError
 from lab.experiments.incast import FRAME_BYTES, rc_params, sender_rates
@@ -56,9 +57,18 @@ class Params:
             raise UsageError("ecn must be auto, red, bpf or controller")
 
 
-def roles(ctx: RunContext) -> dict:
+def capture_plan(fabric, params: Params) -> CapturePlan:
+    """The victim's port (the pauses that block it, from a switch it shares with the
+    incast only) and the incast receiver's (its CNPs and marks under ECN)."""
+    r = roles(fabric)
+    return CapturePlan([r["victim"], r["receiver"]], NOT_PLAIN_ROCE_DATA,
+                       "CE-marked data, CNPs, ACKs/NAKs and PFC frames (unmarked RoCE data "
+                       "frames are left out)")
+
+
+def roles(fabric) -> dict:
     by_leaf: dict[str, list[str]] = {}
-    for h in ctx.fabric.hosts:
+    for h in fabric.hosts:
         by_leaf.setdefault(h.interface().switch, []).append(h.name)
     leaves = sorted(by_leaf)
     if len(leaves) < 2 or len(by_leaf[leaves[0]]) < 2 or len(by_leaf[leaves[1]]) < 2:
@@ -119,7 +129,7 @@ def _by_switch(per_port: dict[str, int]) -> dict[str, int]:
 
 
 def run(ctx: RunContext) -> dict:
-    r = roles(ctx)
+    r = roles(ctx.fabric)
     out = {"roles": r}
     hosts = [*r["senders"], r["victim"], r["receiver"], r["victim_dst"]]
     with GpuAgents(ctx.net, hosts=hosts) as gpus:

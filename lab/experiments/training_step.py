@@ -54,7 +54,7 @@ class Params:
     compute_ms: float = 200.0
     grad_kb: int = 128           # per GPU, all-reduced every step
     variants: str = ",".join(VARIANTS)
-    ecn: str = "auto"            # the incast+ecn variant's marking: auto | red | controller
+    ecn: str = "auto"            # the incast+ecn variant's marking: auto | red | bpf | controller
     seed: int = 1
 
     def validate(self) -> None:

@@ -47,6 +47,8 @@ def in_root_namespace(net, host: str):
     intf = h.interface()
     sh("mnexec", "-a", str(net.host_pid(host)), "ip", "link", "set", intf.name, "netns", "1")
     try:
+        if net.dataplane:   # the move shut the NIC's port programs down: put them back
+            net.dataplane.reattach_host(host, None)
         sh("ip", "addr", "add", f"{intf.ip}/{intf.prefix_len}", "dev", intf.name)
         sh("ip", "link", "set", intf.name, "up")
         yield intf

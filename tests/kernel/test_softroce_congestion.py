@@ -115,7 +115,10 @@ def pfc_frames_sent_toward_rxe_senders(net, rxe, workdir):
         assert xoffs, f"no PFC frame pausing priority {PRIORITY_ROCE_DATA} toward {s}"
         assert all(set(q) == {PRIORITY_ROCE_DATA} for q in pfc), pfc   # only the RoCE class
         assert counted >= len(pfc) > 0
-        assert sent_while_paused > 0, "rxe honoured a pause: unexpected for a software NIC"
+        # Not asserted: whether rxe frames still arrive between a pause and its resume.
+        # rxe ignores PFC, but the lab closes the host NIC's gate as a MAC would, so what
+        # arrives then is only what was already past the gate: timing, not behaviour
+        # (one kernel-tier run saw none).
 
 
 def data_frames_while_paused(frames, sender_ip: str) -> int:

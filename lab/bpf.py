@@ -217,7 +217,8 @@ class ElfObject:
         """Program `section` with its map references bound to the fds in `maps` and
         its read-only data set from `rodata`; returns the program's fd."""
         insns = bytearray(self.section(section))
-        rel = self.sections[self.by_name[".rel" + section]]
+        rel_index = self.by_name.get(".rel" + section)
+        rel = self.sections[rel_index] if rel_index is not None else {"size": 0, "off": 0}
         ro_map = None
         ro_index = self.by_name.get(".rodata")
         try:

@@ -1,5 +1,5 @@
-"""Queue telemetry: every switch port's per-priority queues, read from the kernel
-every few milliseconds (one rtnetlink dump, lab/tcnl.py).
+"""Queue telemetry: every switch port's per-priority queues, read every few
+milliseconds (the data path's counters, or one rtnetlink dump: lab/tcnl.py).
 
     with QueueTelemetry(fabric, workdir / "queues.csv") as tel:
         ...traffic...
@@ -9,13 +9,16 @@ Per port and priority (lab/queues.py: the class's tbf gate and what is behind
 it): backlog bytes and packets, packets sent, drops, ECN marks (RED's own
 counter, the BPF data path's (lab/dataplane.py), or the controller's when it
 marks: its state file, updated every 100 ms, counts a marking period when it
-ends), and whether the gate is closed (PFC pause). Where the data path runs, a
-queue's drops also count the frames its program turned away at the buffer limit. A CSV row is written when something changed; the summary covers
-any time window of the run.
+ends), and whether the gate is closed (PFC pause). Where the data path runs, its
+counters (mapped into this process: no system call) give the backlog, packets sent,
+drops at the buffer limit and CE marks every few milliseconds, and the kernel's
+(gates, RED) are dumped every KERNEL_EVERY_S. A CSV row is written when something
+changed; the summary covers any time window of the run.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import socket
 import threading
@@ -28,6 +31,7 @@ from lab import dataplane, queues, tcnl
 from topologies.fabric import Fabric
 
 CONTROLLER_READ_S = 0.05
+KERNEL_EVERY_S = 0.05     # with the data path: the kernel's own counters, this often
 CSV_COLUMNS = ["t", "switch", "port", "priority", "backlog_bytes", "backlog_packets",
                "sent_packets", "drops", "ce_marked", "paused"]
 
@@ -68,6 +72,8 @@ class QueueTelemetry:
         self._names: dict[int, tuple[str, int] | None] = {}
         self.error: Exception | None = None
         self.table: dataplane.PortTable | None = None
+        self._kernel: dict[str, QueueSample] = {}
+        self._kernel_t = 0.0
         if fabric is not None and dataplane.pinned():
             self.table = dataplane.PortTable.open(fabric)
             self._slot = {f"{s.node}:{s.port}": i for i, s in enumerate(dataplane.slots(fabric))}
@@ -104,7 +110,28 @@ class QueueTelemetry:
         return self._names[ifindex]
 
     def sample(self, nl: tcnl.Netlink) -> dict[str, QueueSample]:
+        """Every queue now. With the data path its counters come from the table mapped
+        into this process (no system call); the kernel's own (a gate's state, a
+        kernel drop, RED's marks) from one rtnetlink dump every KERNEL_EVERY_S."""
         t = time.time()
+        if self.table is None or t - self._kernel_t >= KERNEL_EVERY_S:
+            self._kernel, self._kernel_t = self._dump(nl, t), t
+        if self.table is None:
+            controller = self._controller_ce(t)
+            return {k: dataclasses.replace(q, ce_marked=q.ce_marked + controller.get(k, 0))
+                    for k, q in self._kernel.items()}
+        out = {}
+        for key, k in self._kernel.items():     # the queues the kernel has: its gates
+            port, _, prio = key.rpartition(":")
+            c = self.table.counters(self._slot[port], int(prio))
+            out[key] = QueueSample(t, c["backlog_bytes"],
+                                   max(0, c["in_packets"] - c["out_packets"]), c["out_packets"],
+                                   c["drop_packets"] + k.drops, c["ce_marked"] + k.ce_marked,
+                                   k.paused)
+        return out
+
+    def _dump(self, nl: tcnl.Netlink, t: float) -> dict[str, QueueSample]:
+        """The kernel's view of every gated queue: one rtnetlink dump."""
         marks: dict[tuple[int, int], int] = {}
         gates = []
         for q in nl.qdiscs():
@@ -113,23 +140,16 @@ class QueueTelemetry:
                 marks[(q.ifindex, q.parent >> 16)] = q.marked
             elif q.kind == "tbf" and queues.priority_of_gate(major) is not None:
                 gates.append(q)
-        # with the data path the controller's counts are the table's: read them there
-        controller = self._controller_ce(t) if self.table is None else {}
         out = {}
         for q in gates:
             where = self._port_of(q.ifindex)
             if where is None:
                 continue
             prio = queues.priority_of_gate(q.handle >> 16)
-            key = f"{where[0]}:{where[1]}:{prio}"
-            drops, marked = q.drops, marks.get((q.ifindex, q.handle >> 16), 0)
-            if self.table is not None:
-                c = self.table.counters(self._slot[f"{where[0]}:{where[1]}"], prio)
-                drops += c["drop_packets"]
-                marked += c["ce_marked"]
-            out[key] = QueueSample(t, q.backlog_bytes, q.qlen, q.packets, drops,
-                                   marked + controller.get(key, 0),
-                                   q.rate_bytes_s == queues.PAUSED_RATE_BYTES_S)
+            out[f"{where[0]}:{where[1]}:{prio}"] = QueueSample(
+                t, q.backlog_bytes, q.qlen, q.packets, q.drops,
+                marks.get((q.ifindex, q.handle >> 16), 0),
+                q.rate_bytes_s == queues.PAUSED_RATE_BYTES_S)
         return out
 
     def _controller_ce(self, now: float) -> dict[str, int]:

@@ -7,9 +7,10 @@ processes at normal priority (default: one per core). For each it prints
   - PFC: drops anywhere, receiver NAKs, and the reaction the controller measured
     (signal: the port program saw the packet -> the app handled it; pause: the queue
     passed XOFF -> the last upstream gate closed), p50/p99/max
-  - where the CPU went, per process class, as a share of all process CPU time:
-    the lab's own control and observation (controller, the lab's main process with
-    its telemetry, tcpdump) against the traffic (GPU agents) and the switches (OVS)
+  - where the CPU went while the variant's traffic ran (not the fabric's build or
+    teardown), per process class, as a share of all process CPU time: the lab's own
+    control and observation (controller, the lab's main process with its telemetry,
+    tcpdump) against the traffic (GPU agents) and the switches (OVS)
 
     sudo .venv/bin/python bench/congestion_cpu.py [--load N] [--runs N] [--set k=v ...]
 """
@@ -22,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,13 +53,17 @@ def cpu_s(pid: int) -> float:
 
 
 class CpuWatch:
-    """Every process of the run, sampled twice a second: the largest CPU time seen
-    per PID (processes come and go during a run), summed per class."""
+    """Every process of the run, between start() and stop() (the variant's traffic, not
+    the fabric's build and teardown), summed per class."""
 
     def __init__(self, lab_pid: int):
-        self.lab_pid, self.seen, self.stop = lab_pid, {}, threading.Event()
-        self.base = {}
-        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.lab_pid, self.base, self.seen = lab_pid, {}, {}
+
+    def start(self) -> None:
+        self.sample(self.base)
+
+    def stop(self) -> None:
+        self.sample(self.seen)
 
     def sample(self, into: dict) -> None:
         for d in Path("/proc").iterdir():
@@ -70,28 +74,16 @@ class CpuWatch:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 cls = classify(cmd, self.lab_pid, pid)
                 if cls:
-                    into[pid] = (cls, max(into.get(pid, (cls, 0.0))[1], cpu_s(pid)))
+                    into[pid] = (cls, cpu_s(pid))
             except OSError:
                 continue
 
-    def loop(self) -> None:
-        while not self.stop.wait(0.5):
-            self.sample(self.seen)
-
-    def __enter__(self):
-        self.sample(self.base)      # OVS (and anything else) before the run
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.sample(self.seen)
-
     def split(self) -> dict[str, float]:
+        """CPU seconds per class between start and stop (processes alive at both)."""
         out = dict.fromkeys(CLASSES, 0.0)
         for pid, (cls, t) in self.seen.items():
-            out[cls] += t - self.base.get(pid, (cls, 0.0))[1]
+            if pid in self.base:
+                out[cls] += t - self.base[pid][1]
         return out
 
 
@@ -110,10 +102,15 @@ def one_run(load: int, settings: list[str]) -> dict:
         args = [*FABRICLAB, "run", "incast", "--set", "variants=pfc", "--out", str(out)]
         for s in settings:
             args += ["--set", s]
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-        with CpuWatch(proc.pid) as watch:
-            _, err = proc.communicate()
+        watch = CpuWatch(proc.pid)
+        for line in proc.stdout:      # the runner's progress: the variant starts, ends
+            if "pfc: " in line and "senders" in line:
+                watch.start()
+            elif "  drops " in line:
+                watch.stop()
+        _, err = proc.communicate()
         if not (out / "metrics.json").exists():
             raise SystemExit(f"the run failed: {err.strip()[-400:]}")
         m = json.loads((out / "metrics.json").read_text())

@@ -3,7 +3,9 @@ import json
 
 import pytest
 
+import wire
 from conftest import fabriclab
+from topologies.fabric import Fabric
 
 
 def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path):
@@ -112,3 +114,16 @@ def test_a_tour_chapter_links_its_pcaps_with_filters_and_counts(tmp_path):
     page = (chapter / "report.html").read_text()
     assert f"captures/{intf}.pcap" in page and "infiniband.aeth.syndrome" in page
     assert str(counts["RoCE NAKs"]) in page
+    # and the counters against the wire, per transport: retransmissions (frames repeating
+    # a QP's PSN toward the lossy link) and RC's NAKs (from the receiver)
+    m = json.loads((chapter / "metrics.json").read_text())["metrics"]
+    frames = wire.read(pcap)
+    dst = Fabric.load(chapter / "fabric.json").host(m["dst"]).interface().ip
+    for transport in ("rc", "mrc"):
+        span = m[transport]["counted_unix_s"]
+        data = [(f.src, f.qp, f.psn) for f in frames if span[0] <= f.t <= span[1]
+                and f.roce_data and f.dst == dst and f.opcode is not None and f.opcode < 64]
+        assert m[transport]["retransmitted_packets"] == len(data) - len(set(data)), transport
+    rc_span = m["rc"]["counted_unix_s"]
+    naks = [f for f in frames if rc_span[0] <= f.t <= rc_span[1] and f.src == dst and f.nak]
+    assert m["rc"]["receiver_naks"] == len(naks) > 0

@@ -12,7 +12,7 @@ from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT
 
 FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield.ecn",
           "udp.dstport", "infiniband.bth.opcode", "infiniband.bth.destqp",
-          "infiniband.bth.psn", "macc.opcode", "macc.cbfc.enbv",
+          "infiniband.bth.psn", "infiniband.aeth.syndrome", "macc.opcode", "macc.cbfc.enbv",
           "macc.cbfc.pause_time.c0", "macc.cbfc.pause_time.c1", "macc.cbfc.pause_time.c2",
           "macc.cbfc.pause_time.c3", "macc.cbfc.pause_time.c4", "macc.cbfc.pause_time.c5",
           "macc.cbfc.pause_time.c6", "macc.cbfc.pause_time.c7"]
@@ -31,6 +31,7 @@ class Frame:
     opcode: int | None
     qp: int | None
     psn: int | None
+    syndrome: int | None
     macc: int | None
     enable: int
     pause: list[int]
@@ -38,6 +39,11 @@ class Frame:
     @property
     def roce_data(self) -> bool:
         return self.udp_dst == ROCE_V2_UDP_PORT and self.dscp == DSCP_ROCE_DATA
+
+    @property
+    def nak(self) -> bool:
+        """An ACKNOWLEDGE whose AETH syndrome says NAK (0b011xxxxx)."""
+        return self.syndrome is not None and self.syndrome >> 5 == 0b011
 
     @property
     def cnp(self) -> bool:
@@ -64,8 +70,8 @@ def read(pcap: Path) -> list[Frame]:
     for line in r.stdout.splitlines():
         v = line.split("|")
         out.append(Frame(float(v[0]), v[1], v[2], _int(v[3]), _int(v[4]), _int(v[5]),
-                         _int(v[6]), _int(v[7]), _int(v[8]), _int(v[9]), _int(v[10]) or 0,
-                         [_int(x) or 0 for x in v[11:19]]))
+                         _int(v[6]), _int(v[7]), _int(v[8]), _int(v[9]), _int(v[10]),
+                         _int(v[11]) or 0, [_int(x) or 0 for x in v[12:20]]))
     return out
 
 

@@ -5,11 +5,12 @@ nftables drops a random share of the RoCE frames arriving at the receiver
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from lab.capture import CapturePlan
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
-from lab.capture import CapturePlan
 from lab.impair import RandomLoss
 from lab.runner import Claim, RunContext
 
@@ -19,6 +20,7 @@ DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-b
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"host_rate_mbps": 20.0, "fabric_rate_mbps": 20.0,
                                     "rate_scale": 5000}}
 
+SETTLE_S = 0.3      # after a transfer: its last frames leave, before the next one
 SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
 
 @dataclass
@@ -48,15 +50,20 @@ def run(ctx: RunContext) -> dict:
            "lossy_link": f"into {dst.interface().name}", "loss_percent": p.loss_percent}
     with GpuAgents(ctx.net, [src.name, dst.name]) as gpus:
         for transport in ("rc", "mrc"):
+            t0 = time.time()
             with RandomLoss(ctx.net.host_pid(dst.name), dst.interface().name,
                             p.loss_percent) as loss:
                 [flow] = gpus.transfers([(src.name, dst.name, nbytes)], transport)
                 lost = loss.dropped()
+            time.sleep(SETTLE_S)
             retx = flow["counters"]["retransmitted"]
             dups = flow["receiver_counters"]["duplicate"]
             m = {"lost_packets": lost, "retransmitted_packets": retx,
                  "receiver_duplicates": dups,   # resent though not lost (e.g. a stalled host)
                  "timeouts": flow["counters"]["timeouts"],
+                 "receiver_naks": flow["receiver_counters"]["naks_sent"],
+                 # the span the counters cover (unix time), for checking against captures
+                 "counted_unix_s": [round(t0, 4), round(time.time(), 4)],
                  "retransmitted_per_lost": retx / lost if lost else None,
                  "completion_s": flow["completion_s"],
                  "goodput_mbps": nbytes * 8 / flow["completion_s"] / 1e6,

@@ -208,6 +208,9 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
+    def in_bytes(self, slot: int, prio: int) -> int:
+        return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
+
     def backlog_bytes(self, slot: int, prio: int) -> int:
         at = self._state_at(slot, prio)
         inb, outb = struct.unpack_from("=QQ", self.mem, at)

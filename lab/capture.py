@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lab import queues, state
@@ -20,6 +20,9 @@ from topologies.fabric import Fabric
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 PCAP_RECORD_BYTES = 16          # a pcap record's header
+START_WAIT_S = 0.3
+SETTLE_QUIET_S = 0.5
+SETTLE_MAX_S = 10.0
 # Wireshark display filters that show the lab's points, counted in every capture (the
 # report lists them with their counts); no commas (tshark's io,stat splits on them)
 FILTERS = {
@@ -41,10 +44,6 @@ class CapturePlan:
     ports: list[str]
     tcpdump_filter: str | None = None
     keeps: str = "every frame"
-    extra: dict = field(default_factory=dict)
-START_WAIT_S = 0.3
-SETTLE_QUIET_S = 0.5
-SETTLE_MAX_S = 10.0
 
 
 def resolve(fabric: Fabric, spec: str) -> list[str]:

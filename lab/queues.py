@@ -9,7 +9,9 @@ A switch egress port (a veth end in the root namespace, which OVS sends out of):
         └ class 1:16  priority 6, CNPs (DSCP 48)        ─ tbf 16: (gate) ─ bfifo
     u32 filters on the DSCP (ECN bits masked off) pick the class.
 
-Every class is bounded in bytes, so backlog and drops show in `tc -s`. The bound
+Every class is bounded in bytes, so backlog and drops show (in `tc -s`, or where
+the BPF data path runs, in its counters: its program drops at the same bound
+first, lab/dataplane.py). The bound
 matters on OVS's userspace datapath: it sends into the veth through an AF_PACKET
 socket whose send buffer holds ~100 KB, and past that it drops silently; the
 classes' buffers together stay under it.

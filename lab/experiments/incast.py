@@ -184,12 +184,12 @@ def controller_counts(net, switch: str, port: int) -> dict:
             .get("ce_marked_packets", 0), "t": time.time()}
 
 
-def headroom(net, port, p: Params) -> dict:
+def headroom(net, state: dict, port, p: Params) -> dict:
     """What PFC's headroom must hold, as a shared-buffer switch sizes it: per upstream
     port 2 x (link delay + response time) x link rate + 2 MTU, the response being the
     lab's own (XOFF to the last upstream gate closed, p99.9 so far; the links have no
     delay here); every port of the switch can feed the congested queue."""
-    reaction = read_state(net).get("reaction", {}).get("pause", {})
+    reaction = state.get("reaction", {}).get("pause", {})
     response_s = reaction.get("gap_ms_p999", 0.0) / 1e3
     rate_bytes_s = port.rate_mbps * 1e6 / 8
     per_port = 2 * response_s * rate_bytes_s + 2 * FRAME_BYTES
@@ -245,6 +245,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         after["ce_marked_packets"] - before["ce_marked_packets"]
     xoff = after["xoff_frames_sent"] - before["xoff_frames_sent"]
     xon = after["xon_frames_sent"] - before["xon_frames_sent"]
+    state = read_state(net)
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
@@ -270,9 +271,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
                                             for f in flows),
         "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),
-        "controller_sampling": read_state(net).get("sampling"),
-        "pfc_reaction_ms": read_state(net).get("reaction"),   # the run so far
-        "headroom": headroom(net, recv_if, p) if "pfc" in variant else None,
+        "controller_sampling": state.get("sampling"),
+        "pfc_reaction_ms": state.get("reaction"),   # the run so far
+        "headroom": headroom(net, state, recv_if, p) if "pfc" in variant else None,
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
         "sender_goodput_pps": {s: round(r, 1) for s, r in goodputs.items()},
         "fair_share_pps": round(fair, 1),

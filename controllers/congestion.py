@@ -325,7 +325,7 @@ class CongestionControl(app_manager.OSKenApp):
         now = time.time()
         self.unacked = []      # the hosts' gates change together, acknowledged after
         for f in congested.feeders:
-            frame = pause.pfc_frame(port_mac(congested.dpid, f), {prio: quanta})
+            frame = pause.pfc_frame(pause.port_mac(congested.dpid, f), {prio: quanta})
             dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
                                             match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
                                             actions=[parser.OFPActionOutput(f)], data=frame))
@@ -503,7 +503,7 @@ class CongestionControl(app_manager.OSKenApp):
                                         HTB_DIRECT_PRIORITY)
                 out.pfc_sock.bind((out.intf, 0))
             try:
-                out.pfc_sock.send(pause.pfc_frame(port_mac(congested.dpid, f), {prio: quanta}))
+                out.pfc_sock.send(pause.pfc_frame(pause.port_mac(congested.dpid, f), {prio: quanta}))
             except OSError as e:    # a link down: nothing upstream to pause
                 self.logger.debug("PFC frame out of %s: %s", out.intf, e)
 
@@ -773,10 +773,3 @@ def wait_readable(f, timeout_s: float) -> None:
         trampoline(f.fileno(), read=True, timeout=timeout_s, timeout_exc=TimeoutError)
     except TimeoutError:
         pass
-
-
-def port_mac(dpid: int, port: int) -> str:
-    """A switch port's MAC, for the frames the switch itself sends (PFC): locally
-    administered, from the switch's dpid and the port number."""
-    return "02:fc:" + ":".join(f"{b:02x}" for b in (dpid & 0xFFFF).to_bytes(2, "big")
-                               + port.to_bytes(2, "big"))

@@ -21,7 +21,11 @@ from topologies.fabric import Fabric
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 PCAP_RECORD_BYTES = 16          # a pcap record's header
 START_WAIT_S = 0.3
-SETTLE_QUIET_S = 0.5
+# libpcap hands tcpdump a ring block when it is full or its timeout (tcpdump's 1000 ms)
+# runs out: the last frames of a run can wait that long unseen, and tcpdump stopped
+# before then loses them without counting them (measured: the last 80 ms of a run's
+# frames, ~84 per port). Quiet for longer than the timeout, every block has arrived.
+SETTLE_QUIET_S = 1.2
 SETTLE_MAX_S = 10.0
 # Wireshark display filters that show the lab's points, counted in every capture (the
 # report lists them with their counts); no commas (tshark's io,stat splits on them)

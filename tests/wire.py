@@ -15,7 +15,8 @@ FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield
           "infiniband.bth.psn", "infiniband.aeth.syndrome", "macc.opcode", "macc.cbfc.enbv",
           "macc.cbfc.pause_time.c0", "macc.cbfc.pause_time.c1", "macc.cbfc.pause_time.c2",
           "macc.cbfc.pause_time.c3", "macc.cbfc.pause_time.c4", "macc.cbfc.pause_time.c5",
-          "macc.cbfc.pause_time.c6", "macc.cbfc.pause_time.c7"]
+          "macc.cbfc.pause_time.c6", "macc.cbfc.pause_time.c7", "eth.src",
+          "frame.len"]
 OPCODE_CNP = 129
 MAC_CONTROL_PFC = 0x0101
 
@@ -35,6 +36,8 @@ class Frame:
     macc: int | None
     enable: int
     pause: list[int]
+    src_mac: str
+    length: int         # on the wire, without the FCS (as the kernel counts tx_bytes)
 
     @property
     def roce_data(self) -> bool:
@@ -71,8 +74,15 @@ def read(pcap: Path) -> list[Frame]:
         v = line.split("|")
         out.append(Frame(float(v[0]), v[1], v[2], _int(v[3]), _int(v[4]), _int(v[5]),
                          _int(v[6]), _int(v[7]), _int(v[8]), _int(v[9]), _int(v[10]),
-                         _int(v[11]) or 0, [_int(x) or 0 for x in v[12:20]]))
+                         _int(v[11]) or 0, [_int(x) or 0 for x in v[12:20]], v[20], int(v[21])))
     return out
+
+
+def repeats(frames: list[Frame]) -> int:
+    """Data frames that repeat a QP's PSN: retransmissions. A QP is named by the source
+    and destination addresses and the destination QP number (one host's QPs toward two
+    hosts may share a number)."""
+    return len(frames) - len({(f.src, f.dst, f.qp, f.psn) for f in frames})
 
 
 class RunCaptures:

@@ -156,7 +156,9 @@ class Agent:
 
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending
-        self.nic.pause_log.clear()   # the pause frames of this collective
+        # the pause frames of this collective: the NIC's counters run for the agent's life
+        self.nic.pause_log.clear()
+        pauses0, paused0_s = self.nic.pause_frames_received, list(self.nic.paused_s)
         t0, cpu0 = time.monotonic(), time.process_time()
         algo.start(t0)
         nics = list(self.nics.values())
@@ -199,8 +201,9 @@ class Agent:
                   counters=counters, evs=evs, rate_samples=samples,
                   nic={"malformed": sum(n.malformed for n in nics),
                        "unknown_qp": sum(n.unknown_qp for n in nics),
-                       "pause_frames_received": self.nic.pause_frames_received,
-                       "paused_s": self.nic.paused_s, "pause_log": self.nic.pause_log},
+                       "pause_frames_received": self.nic.pause_frames_received - pauses0,
+                       "paused_s": [a - b for a, b in zip(self.nic.paused_s, paused0_s)],
+                       "pause_log": self.nic.pause_log},
                   **algo.report(op))
         self.pending = None
 

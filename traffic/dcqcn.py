@@ -19,11 +19,17 @@ from dataclasses import dataclass, replace
 
 
 # How long a full marking queue (Kmax) takes to drain on real hardware, the time
-# scale DCQCN's 50-55 us constants act on: 80 us is e.g. 400 KB on a 40 Gb/s port.
-# Calibrated in the lab's incast experiment (8 to 1, 10 Mb/s, Kmax 16 KB): with
-# 40 us the senders cut so deep the queue stood empty half the time (p50 1-2 KB),
-# with 80 and 130 us it held between Kmin and Kmax (p50 4.3 and 3.2 KB).
-REFERENCE_KMAX_DRAIN_S = 80e-6
+# scale DCQCN's 50-55 us constants act on: 160 us is e.g. 800 KB on a 40 Gb/s port.
+# Calibrated in the lab's incast experiment (8 to 1, 10 Mb/s, Kmax 16 KB, marking per
+# packet in the data path). At 80 us (a 164x stretch) each sender's CNPs came about as
+# often as its fast recovery lasts (5 timer events), so rates never reached additive
+# increase: cuts and recoveries are both multiplicative, which keeps the senders'
+# ratios instead of closing them, and 4 runs in 20 ended with a sender 20-28% off the
+# fair share. At 160 us (82x) the timers run twice as often relative to the CNPs:
+# every sender within 1.5-6% of the fair share in 20 of 20 runs, the queue p50 at
+# 5-6.5 KB, between Kmin and Kmax. (At 40 us the senders cut so deep that the queue
+# stood empty half the time.)
+REFERENCE_KMAX_DRAIN_S = 160e-6
 
 
 def time_scale_for(kmax_bytes: float, rate_bps: float) -> float:

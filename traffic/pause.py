@@ -24,6 +24,13 @@ def is_mac_control(frame: bytes) -> bool:
     return frame[12:14] == _TYPE
 
 
+def port_mac(dpid: int, port: int) -> str:
+    """A switch port's MAC, for the frames the switch itself sends (PFC): locally
+    administered, from the switch's dpid and the port number."""
+    return "02:fc:" + ":".join(f"{b:02x}" for b in (dpid & 0xFFFF).to_bytes(2, "big")
+                               + port.to_bytes(2, "big"))
+
+
 def quantum_s(rate_bps: float) -> float:
     """How long one pause quantum lasts on a link of this rate."""
     return PAUSE_QUANTUM_BIT_TIMES / rate_bps

@@ -7,6 +7,7 @@ spine. Measured from the source leaf's uplink byte counters.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +65,11 @@ def flows(ctx: RunContext) -> list[tuple[str, str, int]]:
 
 def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None) -> dict:
     spines = ctx.fabric.params["spines"]
+    t0 = time.time()
     before = uplink_bytes("fl-lf0", spines)
     res = gpus.transfers(plan, transport, params=params)
     per_spine = [a - b for a, b in zip(uplink_bytes("fl-lf0", spines), before)]
+    t1 = time.time()
     mean = sum(per_spine) / len(per_spine)
     completions = [f["completion_s"] for f in res]
     retx = sum(f["counters"]["retransmitted"] for f in res)
@@ -77,6 +80,7 @@ def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None)
             "completion_s_mean": sum(completions) / len(completions),
             "all_intact": all(f["intact"] for f in res),
             "retransmitted_packets": retx,
+            "counted_unix_s": [round(t0, 4), round(t1, 4)],
             "flows": [{k: f[k] for k in ("src", "dst", "bytes", "completion_s", "intact")}
                       for f in res]}
 

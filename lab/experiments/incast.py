@@ -168,20 +168,26 @@ def controller_counts(net, switch: str, port: int) -> dict:
         dp = net.dataplane
         ports = [c for s, c in ((s, dp.counters(s.node, s.port, prio)) for s in dp.slots)
                  if s.node == switch]
-        drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
-                 for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
-        for sw in {s.node for s in dp.slots if s.switch}:
-            drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
         return {"xoff_frames_sent": sum(c["pfc_tx_pause"] for c in ports),
                 "xon_frames_sent": sum(c["pfc_tx_resume"] for c in ports),
                 "ce_marked_packets": dp.counters(switch, port, prio)["ce_marked"],
-                "drops": drops, "t": time.time()}
+                "drops": dataplane_drops(dp, prio), "t": time.time()}
     per_port = read_state(net).get("counters", {})
     mine = [c.get(str(prio), {}) for key, c in per_port.items() if key.split(":")[0] == switch]
     return {"xoff_frames_sent": sum(c.get("xoff_frames_sent", 0) for c in mine),
             "xon_frames_sent": sum(c.get("xon_frames_sent", 0) for c in mine),
             "ce_marked_packets": per_port.get(f"{switch}:{port}", {}).get(str(prio), {})
             .get("ce_marked_packets", 0), "t": time.time()}
+
+
+def dataplane_drops(dp, prio: int) -> dict[str, int]:
+    """Every drop the data path counted so far: per switch queue ("SW:PORT:PRIO"), and
+    the RoCE frames each switch took in and sent nowhere ("SW:inside")."""
+    drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
+             for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
+    for sw in {s.node for s in dp.slots if s.switch}:
+        drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
+    return drops
 
 
 def headroom(net, state: dict, port, p: Params) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import UsageError
-from lab.experiments.incast import FRAME_BYTES, rc_params, sender_rates
+from lab.experiments.incast import FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params, sender_rates
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
 from lab.telemetry import write_flow_rates
@@ -89,24 +89,32 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     flows = [(r["victim"], r["victim_dst"], p.victim_kb * 1024)]
     if variant != "alone":
         flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]
+    prio = PRIORITY_ROCE_DATA
+    dp = net.dataplane
+    drops0 = dataplane_drops(dp, prio) if dp else {}
     before = read_state(net).get("counters", {})
     t0 = time.time()
     res = gpus.transfers(flows, "rc", params=rc, timeout_s=120)
-    time.sleep(0.3)
+    t1 = time.time()
+    time.sleep(SETTLE_S)
     after = read_state(net).get("counters", {})
+    if dp:      # exact: every drop the data path made while counting
+        drops = {k: n - drops0[k] for k, n in dataplane_drops(dp, prio).items() if n - drops0[k]}
+    else:
+        drops = {k: q["drops_packets"] for k, q in ctx.telemetry.summary(t0, t1).items()
+                 if q["drops_packets"]}
     victim, incast = res[0], res[1:]
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", res, FRAME_BYTES)
     # the victim's rate while the incast runs (alone: over its own middle half)
     end = t0 + (min(f["completion_s"] for f in incast) if incast else victim["completion_s"])
     rate = sender_rates([victim], t0 + 0.25 * (end - t0), end).get(r["victim"], 0.0)
-    prio = str(PRIORITY_ROCE_DATA)
 
     def delta(key: str) -> dict[str, int]:
-        return {port: after[port].get(prio, {}).get(key, 0) - before.get(port, {}).get(prio, {})
-                .get(key, 0) for port in after
-                if after[port].get(prio, {}).get(key, 0) - before.get(port, {}).get(prio, {})
-                .get(key, 0)}
+        n = {port: after[port].get(str(prio), {}).get(key, 0)
+             - before.get(port, {}).get(str(prio), {}).get(key, 0) for port in after}
+        return {port: d for port, d in n.items() if d}
     pauses_sent = delta("pause_frames_sent")
+    xoff, xon = delta("xoff_frames_sent"), delta("xon_frames_sent")
     return {"ecn_mode": mode, "pfc": variant == "pfc",
             "victim_rate_pps": round(rate, 1),
             "victim_completion_s": round(victim["completion_s"], 3),
@@ -114,7 +122,14 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
                                                  default=0.0), 3),
             "pause_frames_sent_by_switch": _by_switch(pauses_sent),
             "pause_frames_received_by_port": delta("pause_frames_received"),
+            "pfc_frames_sent_by_port": {port: {"xoff": xoff.get(port, 0), "xon": xon.get(port, 0)}
+                                        for port in sorted(set(xoff) | set(xon))},
             "victim_pause_frames_received": victim["sender_nic"]["pause_frames_received"],
+            # at the incast's receiver: CE-marked frames it took in, the CNPs it sent
+            "ce_marked_packets": sum(f["receiver_counters"]["ecn_marked"] for f in incast),
+            "cnp_packets": sum(f["counters"]["cnps_received"] for f in incast),
+            "drops_packets": drops,
+            "counted_unix_s": [round(t0, 4), round(time.time(), 4)],
             "retransmitted_packets": sum(f["counters"]["retransmitted"] for f in res),
             "timeouts": sum(f["counters"]["timeouts"] for f in res),
             "all_intact": all(f["intact"] for f in res)}

@@ -302,6 +302,9 @@ def run(name: str, settings: list[str], out: Path | None = None,
                         f"NICs could not keep up, so timings there are not faithful; lower "
                         f"the link rates (--set host_rate_mbps=...); {remedy}")
         progress("warning: " + warnings[-1])
+    for w in metrics.get("starved", []):    # a mechanism the machine's load defeated
+        warnings.append(w)
+        progress("warning: " + w)
     result = {
         "experiment": name,
         "params": config["params"],

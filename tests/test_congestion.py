@@ -12,7 +12,7 @@ from conftest import fabriclab
 from lab import ovs, queues, tcnl
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import LabError
-from lab.experiments.incast import FAIRNESS_TOLERANCE
+from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
 from lab.network import FabricNetwork
 from lab.telemetry import QueueTelemetry
 from topologies.fabric import Fabric
@@ -286,6 +286,15 @@ def test_datapath_lost_packets_sums_every_datapath(monkeypatch):
     monkeypatch.setattr(ovs.subprocess, "run",
                         lambda *a, **kw: subprocess.CompletedProcess(a, 0, shown, ""))
     assert ovs.datapath_lost_packets() == 7
+
+
+def test_frames_lost_inside_a_switch_name_the_starved_switch():
+    """A lossless variant's frames lost inside OVS are the machine's load, and the run
+    says so; queue drops and counting slack across a variant's edge (-1) are not."""
+    msgs = starved("pfc", {"fl-lf0:inside": 534, "fl-lf1:inside": -1, "fl-lf0:2:3": 30,
+                           "fl-sp0:inside": 0})
+    assert len(msgs) == 1 and "fl-lf0 lost 534 frames inside" in msgs[0], msgs
+    assert "short of CPU" in msgs[0]
 
 
 # --- the experiments, small -----------------------------------------------------------

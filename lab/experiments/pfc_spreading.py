@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import UsageError
-from lab.experiments.incast import FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params, sender_rates
+from lab.experiments.incast import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
+                                   sender_rates, starved)
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
 from lab.telemetry import write_flow_rates
@@ -156,6 +157,7 @@ def run(ctx: RunContext) -> dict:
             ctx.progress(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
                          f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
+    out["starved"] = starved("pfc", out["pfc"]["drops_packets"])
     set_congestion(ctx.net, CongestionParams())
     alone = out["alone"]["victim_rate_pps"] or 1.0
     out["victim_rate_vs_alone"] = {v: round(out[v]["victim_rate_pps"] / alone, 3)

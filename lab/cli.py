@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -13,11 +14,45 @@ from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
 
+# Options whose value is a comma-separated list of numbers, any of which may be negative
+# (gradients are as often negative as positive). argparse takes a token that starts with
+# "-" and is not a plain negative number ("-0.5,0.3") for an option, so the parser joins
+# such a value to its option ("--values=-0.5,0.3") before parsing.
+NUMBER_LIST_OPTIONS = ("--values",)
+_NUMBER = r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?"
+_NEGATIVE_NUMBER_LIST = re.compile(rf"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(,{_NUMBER})*")
+
+
+def join_number_lists(argv: list[str]) -> list[str]:
+    """argv with `--values -0.5,0.3` as `--values=-0.5,0.3` (nothing after `--`)."""
+    out: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            out += [token, *tokens]
+            break
+        out.append(token)
+        if token in NUMBER_LIST_OPTIONS:
+            value = next(tokens, None)
+            if value is None:
+                break
+            if _NEGATIVE_NUMBER_LIST.fullmatch(value):
+                out[-1] = f"{token}={value}"
+            else:
+                out.append(value)
+    return out
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and exit 2)."""
+    """argparse, but a usage error is one line (and exit 2), and a number list option
+    (NUMBER_LIST_OPTIONS) takes a value starting with a minus sign."""
 
     def error(self, message: str):
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(join_number_lists(args), namespace)
 
 
 def _topology_options() -> dict[str, str]:
@@ -389,7 +424,9 @@ def build_parser() -> Parser:
                    ).set_defaults(func=cmd_clean)
     a = sub.add_parser("allreduce", help="all-reduce values over a small fabric; every host "
                                          "prints its result")
-    a.add_argument("--values", help="one value per GPU host, e.g. 0.7,0.9,0.6,0.8")
+    a.add_argument("--values", metavar="V1,V2,...",
+                   help="one value per GPU host, e.g. 0.7,0.9,0.6,0.8; negative values "
+                        "too, either spelling: --values -0.5,0.3 or --values=-0.5,0.3")
     a.add_argument("--size-mb", type=float, help="all-reduce random float32 tensors of this size")
     a.add_argument("--gpus", type=int, default=4, help="GPU hosts with --size-mb (default 4)")
     a.add_argument("--transport", choices=["rc", "mrc"], default="rc")

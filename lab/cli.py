@@ -154,7 +154,7 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     import time
 
-    from lab import report, runner
+    from lab import readable, report, runner
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:   # elapsed time on every line of a long run
@@ -185,7 +185,7 @@ def cmd_run(args) -> int:
     print(summary_table(report.variants(result["metrics"])))
     for c in result["claims"]:
         print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: measured "
-              f"{c['measured']}, expected {c['expected']}")
+              f"{readable.claim_measured(c)}, expected {c['expected']}")
     print(f"results: {workdir}/metrics.json\nreport:  {workdir}/report.html "
           f"(and report.md)")
     return 0 if result["passed"] else 1
@@ -194,8 +194,7 @@ def cmd_run(args) -> int:
 def cmd_tour(args) -> int:
     import time
 
-    from lab import tour
-    from lab import calibrate
+    from lab import calibrate, readable, tour
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
@@ -215,7 +214,7 @@ def cmd_tour(args) -> int:
         for c in r.claims:
             if not c["passed"]:
                 print(f"  [FAIL] {r.chapter.experiment}: {c['name']}: measured "
-                      f"{c['measured']}, expected {c['expected']}")
+                      f"{readable.claim_measured(c)}, expected {c['expected']}")
     for r in failed:
         print(f"  [DID NOT RUN] {r.chapter.experiment}: {r.error}")
     if failed:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything fabriclab needs, on Debian 12 / Ubuntu 24.04, as root.
-# Used by `make demo`, `make test` and the Vagrantfile. Idempotent: each step
-# checks first and skips what is already done.
+# Used by `make demo`, `make test`, the Vagrantfile and the lab VM's image. Idempotent:
+# each step checks first and skips what is already done. It never calls sudo: run it as
+# root (`make demo` in a root shell, or `sudo make demo` as a user with sudo).
 #   usage: vagrant/provision.sh [REPO_DIR]
 set -euo pipefail
 
@@ -9,10 +10,13 @@ REPO="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
 # The venv may live outside the repo (Vagrant: shared folders handle symlinks badly).
 VENV="${FABRICLAB_VENV:-$REPO/.venv}"
 log() { printf '[provision] %s\n' "$*"; }
+fail() { printf '[provision] error: %s\n' "$*" >&2; exit 2; }
 
 if [ "$(id -u)" -ne 0 ]; then
-    echo "provision.sh must run as root (try: sudo make demo)" >&2
-    exit 2
+    if command -v sudo >/dev/null 2>&1; then
+        fail "provisioning installs packages and needs root: sudo make demo (or sudo bash vagrant/provision.sh)"
+    fi
+    fail "provisioning installs packages and needs root, and this machine has no sudo: in a root shell (su -), run make demo (or bash vagrant/provision.sh)"
 fi
 
 # Debian/Ubuntu packages. python3-venv gives the venv; mininet's python module
@@ -64,4 +68,4 @@ fi
 
 # Open vSwitch: started, with the datapath this kernel supports.
 "$VENV/bin/fabriclab" ovs-start
-log "done. Try: sudo make demo"
+log "done. Try: make demo (as root)"

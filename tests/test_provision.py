@@ -1,6 +1,6 @@
 """vagrant/provision.sh and the Makefile, on stand-ins for id, sudo, dpkg-query, apt-cache
 and apt-get (nothing is installed; pure: runs with --noconftest, as root or not):
-root without sudo, and a user with or without sudo."""
+root without sudo, a user without sudo, and a package the distribution lacks."""
 import os
 import subprocess
 from pathlib import Path
@@ -55,6 +55,34 @@ def run(bin_dir: Path, *args: str, uid: int = 0, sudo: bool = True):
 def test_a_user_is_told_how_to_become_root(bin_dir, sudo, advice):
     done = run(bin_dir, "/bin/bash", str(PROVISION), uid=1000, sudo=sudo)
     assert done.returncode == 2 and advice in done.stderr
+    assert not calls(bin_dir, "apt-get") and not calls(bin_dir, "sudo")
+
+
+def test_a_missing_package_stops_provisioning_before_anything_is_installed(bin_dir):
+    done = run(bin_dir, "/bin/bash", str(PROVISION), str(REPO))
+    assert done.returncode == 2
+    assert f"no package {PACKAGES_LACKED} " in done.stderr
+    assert "nothing was installed" in done.stderr
+    assert calls(bin_dir, "apt-get") == ["update -q"]      # the lists, then it stopped
+    assert not calls(bin_dir, "sudo") and not (bin_dir.parent / "venv").exists()
+
+
+def test_root_installs_every_package_in_one_step_without_sudo(bin_dir):
+    stand_in(bin_dir, "apt-cache", 'printf "$2:\\n  Candidate: 1.0\\n"')
+    # apt-get install fails here, so that the script stops before the virtualenv
+    stand_in(bin_dir, "apt-get", f'echo "$*" >> {bin_dir.parent}/calls/apt-get\n'
+                                 f'[ "$1" = update ]')
+    done = run(bin_dir, "/bin/bash", str(PROVISION), str(REPO))
+    assert done.returncode != 0
+    update, install = calls(bin_dir, "apt-get")
+    assert update == "update -q"
+    assert install.startswith("install -y") and "mininet" in install and "perftest" in install
+    assert not calls(bin_dir, "sudo")
+
+
+def test_check_says_what_it_would_install_and_installs_nothing(bin_dir):
+    done = run(bin_dir, "/bin/bash", str(PROVISION), "--check", uid=1000)
+    assert done.returncode == 2 and f"no package {PACKAGES_LACKED} " in done.stderr
     assert not calls(bin_dir, "apt-get") and not calls(bin_dir, "sudo")
 
 

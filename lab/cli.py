@@ -126,20 +126,24 @@ def cmd_verify(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from mininet.cli import CLI
     from mininet.log import setLogLevel
 
     from lab.network import FabricNetwork
+    from lab.shell import FabricCLI
     from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
                            controller_runtime=args.controller_runtime) as net:
             hosts = [h.name for h in net.fabric.hosts]
-            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; "
-                  f"try: {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}   (exit: Ctrl-D)")
+            leaf = net.fabric.host(hosts[0]).interface().switch
+            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; try:\n"
+                  f"  {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}\n"
+                  f"  flows {leaf}     queues {hosts[0]}     capture {hosts[0]} 10\n"
+                  f"  {leaf} ovs-ofctl -O OpenFlow15 dump-ports {leaf}\n"
+                  f"  help   (exit: Ctrl-D)")
             setLogLevel("info" if args.verbose else "output")   # the CLI prints at "output"
-            CLI(net.mininet)
+            FabricCLI(net.mininet, net.fabric)
     return 0
 
 
@@ -369,7 +373,9 @@ def build_parser() -> Parser:
     d.set_defaults(func=cmd_doctor)
     for name, func, text in (("verify", cmd_verify, "build a fabric, check all-pairs "
                                                     "reachability, tear it down"),
-                             ("up", cmd_up, "build a fabric and open the Mininet CLI")):
+                             ("up", cmd_up, "build a fabric and open its shell (Mininet's "
+                                            "CLI with the lab's commands: flows, queues, "
+                                            "capture)")):
         s = sub.add_parser(name, help=text)
         add_topology_args(s)
         s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")

@@ -17,10 +17,10 @@ from topologies.registry import TOPOLOGIES, make_params
 # Options whose value is a comma-separated list of numbers, any of which may be negative
 # (gradients are as often negative as positive). argparse takes a token that starts with
 # "-" and is not a plain negative number ("-0.5,0.3") for an option, so the parser joins
-# such a value to its option ("--values=-0.5,0.3") before parsing.
+# a value that starts with a minus and a digit to its option ("--values=-0.5,0.3") before
+# parsing; the option's own check then says what is wrong with it, if anything.
 NUMBER_LIST_OPTIONS = ("--values",)
-_NUMBER = r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?"
-_NEGATIVE_NUMBER_LIST = re.compile(rf"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(,{_NUMBER})*")
+_NEGATIVE_START = re.compile(r"-\.?\d")
 
 
 def join_number_lists(argv: list[str]) -> list[str]:
@@ -36,7 +36,7 @@ def join_number_lists(argv: list[str]) -> list[str]:
             value = next(tokens, None)
             if value is None:
                 break
-            if _NEGATIVE_NUMBER_LIST.fullmatch(value):
+            if _NEGATIVE_START.match(value):
                 out[-1] = f"{token}={value}"
             else:
                 out.append(value)

@@ -19,6 +19,12 @@ def test_number_lists_that_start_with_a_minus_are_joined_to_their_option(text):
     assert args.values == text
 
 
+def test_a_bad_negative_list_gets_the_options_own_message():
+    args = cli.build_parser().parse_args(["allreduce", "--values", "-0.5,abc"])
+    with pytest.raises(UsageError, match="--values takes numbers separated by commas"):
+        cli._values(args.values)
+
+
 def test_an_option_after_values_is_still_an_option():
     # "--values --transport mrc": the value is missing, and argparse says so
     with pytest.raises(UsageError, match="--values: expected one argument"):

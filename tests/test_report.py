@@ -1,13 +1,15 @@
-"""Reports a person reads: claims as text, the queue plot per variant. Built from a
-fabricated incast run (no lab: pure, runs with --noconftest)."""
+"""Reports a person reads: claims as text, the queue plot per variant, and the pages in a
+real browser at a laptop's width. Built from a fabricated incast run (no lab: pure,
+runs with --noconftest); the browser tests need Chromium (vagrant/provision.sh)."""
 import csv
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import pytest
 
-from lab import readable, report, tour
+from lab import browser, readable, report, tour
 from lab.runner import Claim
 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
@@ -119,3 +121,30 @@ def test_the_queue_plot_has_a_panel_per_variant(incast_report):
     png = (incast_report / report.PLOTS / "queues.png").read_bytes()
     width, height = struct.unpack(">II", png[16:24])   # the PNG header's IHDR
     assert (width, height) == (800, 1000)               # 4 panels of 2.2 in, at 100 dpi
+
+
+# --- in a real browser --------------------------------------------------------------------
+needs_chromium = pytest.mark.skipif(
+    not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")),
+    reason="no Chromium (vagrant/provision.sh installs Debian's chromium)")
+
+
+@needs_chromium
+@pytest.mark.parametrize("which", ["report", "tour index"])
+def test_pages_fit_a_laptop_screen(which, incast_report, tour_index, tmp_path):
+    page = incast_report / "report.html" if which == "report" else tour_index
+    shot = browser.screenshot(page, tmp_path / f"{which.replace(' ', '-')}.png")
+    assert struct.unpack(">II", shot.read_bytes()[16:24]) == (browser.LAPTOP_WIDTH_PX,
+                                                             browser.HEIGHT_PX)
+    got = browser.layout(page)
+    assert got.viewport_px == browser.LAPTOP_WIDTH_PX
+    assert not got.overflows, got
+
+
+@needs_chromium
+def test_the_layout_check_sees_a_page_too_wide(tmp_path):
+    page = tmp_path / "wide.html"
+    page.write_text("<!doctype html><html><body><table><tr><td>"
+                    + "x" * 400 + "</td></tr></table></body></html>")
+    got = browser.layout(page)
+    assert got.overflows and got.page_width_px > browser.LAPTOP_WIDTH_PX

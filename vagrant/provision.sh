@@ -7,7 +7,7 @@
 #   --check  only say which packages are missing and whether this distribution has
 #            them (from the package lists as they are: no apt-get update); installs
 #            nothing, needs no root
-#   FABRICLAB_BROWSER=0  leaves out Chromium (the reports' browser test)
+#   FABRICLAB_SUITE_TOOLS=0  leaves out what only the suite's checks use (Chromium, Vagrant)
 set -euo pipefail
 
 check_only=0
@@ -44,11 +44,11 @@ PACKAGES=(
     rdma-core ibverbs-providers ibverbs-utils perftest
 )
 # Installed where the distribution has them as packages, else left out with a note: the
-# suite skips what needs them. Chromium screenshots the reports (tests/test_report.py);
-# Ubuntu ships it as a snap only.
+# suite skips what needs them. Chromium screenshots the reports (tests/test_report.py;
+# Ubuntu ships it as a snap only); Vagrant validates the Vagrantfile (tests/test_vagrant.py).
 OPTIONAL=()
-if [ "${FABRICLAB_BROWSER:-1}" != 0 ]; then
-    OPTIONAL+=(chromium)
+if [ "${FABRICLAB_SUITE_TOOLS:-1}" != 0 ]; then
+    OPTIONAL+=(chromium vagrant)
 fi
 
 # (grep reads all its input, not -q: under pipefail a writer cut off early fails the test)

@@ -99,3 +99,24 @@ def test_make_as_root_calls_no_sudo(bin_dir):
         done = run(bin_dir, "make", "-n", "-C", str(REPO), target)   # -n: print, run nothing
         assert done.returncode == 0, done.stderr
         assert "sudo" not in done.stdout
+
+
+def test_an_optional_package_the_distribution_lacks_costs_no_update(bin_dir):
+    """Everything required installed, Chromium and Vagrant unknown (Ubuntu's Chromium is
+    a snap): no apt-get at all, and provisioning goes on to the virtualenv and OVS."""
+    stand_in(bin_dir, "dpkg-query", 'case "$3" in chromium|vagrant) exit 1;; esac\n'
+                                    'printf "install ok installed"')
+    stand_in(bin_dir, "apt-cache", 'case "$2" in chromium|vagrant) exit 0;; esac\n'
+                                   'printf "$2:\\n  Candidate: 1.0\\n"')
+    venv = bin_dir.parent / "venv"          # up to date: its stamp is what the script wants
+    (venv / "bin").mkdir(parents=True)
+    stand_in(venv / "bin", "python", "exit 0")
+    stand_in(venv / "bin", "fabriclab", f'echo "$*" >> {bin_dir.parent}/calls/fabriclab')
+    want = subprocess.run("(cat setup.py; ls -d */__init__.py) | sha256sum | cut -d' ' -f1",
+                          shell=True, cwd=REPO, capture_output=True, text=True).stdout
+    (venv / ".provisioned").write_text(want)
+    done = run(bin_dir, "/bin/bash", str(PROVISION), str(REPO))
+    assert done.returncode == 0, done.stderr
+    assert "leaving out chromium" in done.stdout and "virtualenv: up to date" in done.stdout
+    assert not calls(bin_dir, "apt-get") and not calls(bin_dir, "sudo")
+    assert calls(bin_dir, "fabriclab") == ["ovs-start"]

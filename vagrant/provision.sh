@@ -59,43 +59,45 @@ available() { LC_ALL=C apt-cache policy "$1" 2>/dev/null | grep -E '^ +Candidate
 missing=() missing_optional=()
 for p in "${PACKAGES[@]}"; do installed "$p" || missing+=("$p"); done
 for p in "${OPTIONAL[@]}"; do installed "$p" || missing_optional+=("$p"); done
+distro="$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || echo "this distribution")"
 
-if [ "${#missing[@]}" -eq 0 ] && [ "${#missing_optional[@]}" -eq 0 ]; then
+updated=0
+if [ "${#missing[@]}" -gt 0 ] && [ "$check_only" -eq 0 ]; then
+    apt-get update -q
+    updated=1
+fi
+# Every package is checked before any is installed: a name this distribution does not
+# have (renamed, or in a repository not enabled) stops here, not half-way.
+unavailable=()
+for p in "${missing[@]}"; do available "$p" || unavailable+=("$p"); done
+if [ "${#unavailable[@]}" -gt 0 ]; then
+    fail "$distro has no package ${unavailable[*]} (apt-cache policy shows no candidate); nothing was installed. Enable the repository that has it (on Ubuntu, e.g. universe), or see the README's Packages per distribution"
+fi
+# An optional package the package lists do not have is left out, and is no reason to
+# refresh them (on Ubuntu, Chromium would otherwise cost an apt-get update every run).
+to_install=("${missing[@]}")
+for p in "${missing_optional[@]}"; do
+    if available "$p"; then
+        to_install+=("$p")
+    else
+        log "leaving out $p: $distro has no package of it (the suite skips what needs it)"
+    fi
+done
+if [ "$check_only" -eq 1 ]; then
+    log "would install: ${to_install[*]:-nothing}"
+    exit 0
+fi
+if [ "${#to_install[@]}" -eq 0 ]; then
     log "packages: all present"
 else
-    if [ "$check_only" -eq 0 ]; then
+    if [ "$updated" -eq 0 ]; then
         apt-get update -q
     fi
-    # Every package is checked before any is installed: a name this distribution does
-    # not have (renamed, or in a repository not enabled) stops here, not half-way.
-    unavailable=()
-    for p in "${missing[@]}"; do available "$p" || unavailable+=("$p"); done
-    distro="$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || echo "this distribution")"
-    if [ "${#unavailable[@]}" -gt 0 ]; then
-        fail "$distro has no package ${unavailable[*]} (apt-cache policy shows no candidate); nothing was installed. Enable the repository that has it (on Ubuntu, e.g. universe), or see the README's Packages per distribution"
-    fi
-    to_install=("${missing[@]}")
-    for p in "${missing_optional[@]}"; do
-        if available "$p"; then
-            to_install+=("$p")
-        else
-            log "leaving out $p: $distro has no package of it (the suite skips what needs it)"
-        fi
-    done
-    if [ "$check_only" -eq 1 ]; then
-        log "would install: ${to_install[*]:-nothing}"
-        exit 0
-    fi
-    if [ "${#to_install[@]}" -gt 0 ]; then
-        log "installing packages: ${to_install[*]}"
-        export DEBIAN_FRONTEND=noninteractive
-        # tshark asks whether non-root users may capture; the lab runs as root.
-        echo 'wireshark-common wireshark-common/install-setuid boolean false' | debconf-set-selections 2>/dev/null || true
-        apt-get install -y -q --no-install-recommends "${to_install[@]}"
-    fi
-fi
-if [ "$check_only" -eq 1 ]; then
-    exit 0
+    log "installing packages: ${to_install[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # tshark asks whether non-root users may capture; the lab runs as root.
+    echo 'wireshark-common wireshark-common/install-setuid boolean false' | debconf-set-selections 2>/dev/null || true
+    apt-get install -y -q --no-install-recommends "${to_install[@]}"
 fi
 
 # The virtualenv: distribution python (it sees the distribution's mininet module).

@@ -75,7 +75,11 @@ class FabricCLI(CLI):
     def do_capture(self, line: str) -> None:
         """Packets on a port: capture PORT [N] [FILE.pcap] (N default 20; Ctrl-C stops)"""
         args = line.split()
-        if not args or len(args) > 3:
+        rest = args[1:]
+        count = CAPTURE_PACKETS
+        if rest and rest[0].isdigit():
+            count = int(rest.pop(0))
+        if not args or len(rest) > 1:
             error("usage: capture PORT [N] [FILE.pcap]\n")
             return
         interfaces = self._ports("capture", args[0])
@@ -85,10 +89,6 @@ class FabricCLI(CLI):
             error(f"capture: {args[0]} has {len(interfaces)} ports; name one "
                   f"({', '.join(interfaces)})\n")
             return
-        rest = args[1:]
-        count = CAPTURE_PACKETS
-        if rest and rest[0].isdigit():
-            count = int(rest.pop(0))
         # -e: link-level headers, where PFC pause frames show; -n: addresses as numbers
         command = ["tcpdump", "-i", interfaces[0], "-n", "-e", "-c", str(count)]
         if rest:

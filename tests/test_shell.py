@@ -124,6 +124,7 @@ def test_capture_of_a_port(net, said, tmp_path):
     ("capture fl-lf0", "name one"),                 # a switch: many ports
     ("capture g99", "capture: no switch port 'g99'"),
     ("capture", "usage: capture PORT"),
+    ("capture g0 a.pcap 5", "usage: capture PORT"),
     ("queues", "usage: queues PORT"),
 ])
 def test_capture_and_queues_say_what_is_wrong(net, said, tmp_path, line, words):

@@ -1,9 +1,20 @@
-# fabriclab: `sudo make demo` and `sudo make test` install what they need first
-# (vagrant/provision.sh: packages, .venv, Open vSwitch), then run.
+# fabriclab: `make demo` and `make test`, as root, install what they need first
+# (vagrant/provision.sh: packages, .venv, Open vSwitch), then run. As a user with sudo:
+# `sudo make demo`. Nothing here calls sudo itself.
 VENV ?= $(or $(FABRICLAB_VENV),.venv)
 FABRICLAB := $(VENV)/bin/fabriclab
 
 .PHONY: setup demo test test-kernel bench clean
+
+# Every target needs root (packages, network namespaces, Open vSwitch, tc): say so before
+# anything runs, in the words that work on this machine (a bare Debian has no sudo).
+ifneq ($(shell id -u),0)
+ifneq ($(shell command -v sudo),)
+$(error make $(or $(MAKECMDGOALS),setup) needs root: sudo make $(or $(MAKECMDGOALS),setup))
+else
+$(error make $(or $(MAKECMDGOALS),setup) needs root, and this machine has no sudo: run it in a root shell (su -))
+endif
+endif
 
 # The kernel tier (tests/kernel: netem, OVS kernel datapath, Soft-RoCE) runs natively where
 # this kernel has those features (e.g. the Vagrant VM), else in the lab VM.

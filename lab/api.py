@@ -204,9 +204,11 @@ class Lab:
         """Keep measurements for the report (a section = a row of its table)."""
         self.metrics[section] = values
 
-    def check(self, name: str, passed: bool, measured: Any, expected: str) -> bool:
-        """A claim checked from a measurement; shown with its verdict in the report."""
-        self.claims.append(Claim(name, bool(passed), measured, expected))
+    def check(self, name: str, passed: bool, measured: Any, expected: str,
+              unit: str = "") -> bool:
+        """A claim checked from a measurement; shown with its verdict in the report (the
+        unit, e.g. "packets", after every number measured)."""
+        self.claims.append(Claim(name, bool(passed), measured, expected, unit))
         return bool(passed)
 
     def write_report(self) -> Path:

@@ -50,8 +50,8 @@ class CapturePlan:
     keeps: str = "every frame"
 
 
-def resolve(fabric: Fabric, spec: str) -> list[str]:
-    """A port spec -> the switch interfaces to capture on."""
+def resolve(fabric: Fabric, spec: str, what: str = "--capture") -> list[str]:
+    """A port spec -> the switch interfaces to capture on (`what` asked, for the error)."""
     ports = {intf for *_, intf, _ in queues.switch_ports(fabric)}
     if spec in ports:
         return [spec]
@@ -63,7 +63,7 @@ def resolve(fabric: Fabric, spec: str) -> list[str]:
     if spec in {h.name for h in fabric.hosts}:
         i = fabric.host(spec).interface()
         return [queues.interface_name(i.switch, i.port)]
-    raise UsageError(f"--capture: no switch port {spec!r}; name one as SWITCH:PORT "
+    raise UsageError(f"{what}: no switch port {spec!r}; name one as SWITCH:PORT "
                      f"(e.g. fl-lf0:2), an interface (fl-lf0-eth2), a GPU host (g0) or a "
                      f"switch (fl-lf0: all its ports)")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -13,11 +14,45 @@ from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
 
+# Options whose value is a comma-separated list of numbers, any of which may be negative
+# (gradients are as often negative as positive). argparse takes a token that starts with
+# "-" and is not a plain negative number ("-0.5,0.3") for an option, so the parser joins
+# a value that starts with a minus and a digit to its option ("--values=-0.5,0.3") before
+# parsing; the option's own check then says what is wrong with it, if anything.
+NUMBER_LIST_OPTIONS = ("--values",)
+_NEGATIVE_START = re.compile(r"-\.?\d")
+
+
+def join_number_lists(argv: list[str]) -> list[str]:
+    """argv with `--values -0.5,0.3` as `--values=-0.5,0.3` (nothing after `--`)."""
+    out: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            out += [token, *tokens]
+            break
+        out.append(token)
+        if token in NUMBER_LIST_OPTIONS:
+            value = next(tokens, None)
+            if value is None:
+                break
+            if _NEGATIVE_START.match(value):
+                out[-1] = f"{token}={value}"
+            else:
+                out.append(value)
+    return out
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and exit 2)."""
+    """argparse, but a usage error is one line (and exit 2), and a number list option
+    (NUMBER_LIST_OPTIONS) takes a value starting with a minus sign."""
 
     def error(self, message: str):
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(join_number_lists(args), namespace)
 
 
 def _topology_options() -> dict[str, str]:
@@ -91,20 +126,24 @@ def cmd_verify(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from mininet.cli import CLI
     from mininet.log import setLogLevel
 
     from lab.network import FabricNetwork
+    from lab.shell import FabricCLI
     from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
                            controller_runtime=args.controller_runtime) as net:
             hosts = [h.name for h in net.fabric.hosts]
-            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; "
-                  f"try: {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}   (exit: Ctrl-D)")
+            leaf = net.fabric.host(hosts[0]).interface().switch
+            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; try:\n"
+                  f"  {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}\n"
+                  f"  flows {leaf}     queues {hosts[0]}     capture {hosts[0]} 10\n"
+                  f"  {leaf} ovs-ofctl -O OpenFlow15 dump-ports {leaf}\n"
+                  f"  help   (exit: Ctrl-D)")
             setLogLevel("info" if args.verbose else "output")   # the CLI prints at "output"
-            CLI(net.mininet)
+            FabricCLI(net.mininet, net.fabric)
     return 0
 
 
@@ -119,7 +158,7 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     import time
 
-    from lab import report, runner
+    from lab import readable, report, runner
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:   # elapsed time on every line of a long run
@@ -150,7 +189,7 @@ def cmd_run(args) -> int:
     print(summary_table(report.variants(result["metrics"])))
     for c in result["claims"]:
         print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: measured "
-              f"{c['measured']}, expected {c['expected']}")
+              f"{readable.claim_measured(c)}, expected {c['expected']}")
     print(f"results: {workdir}/metrics.json\nreport:  {workdir}/report.html "
           f"(and report.md)")
     return 0 if result["passed"] else 1
@@ -159,8 +198,7 @@ def cmd_run(args) -> int:
 def cmd_tour(args) -> int:
     import time
 
-    from lab import tour
-    from lab import calibrate
+    from lab import calibrate, readable, tour
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
@@ -180,7 +218,7 @@ def cmd_tour(args) -> int:
         for c in r.claims:
             if not c["passed"]:
                 print(f"  [FAIL] {r.chapter.experiment}: {c['name']}: measured "
-                      f"{c['measured']}, expected {c['expected']}")
+                      f"{readable.claim_measured(c)}, expected {c['expected']}")
     for r in failed:
         print(f"  [DID NOT RUN] {r.chapter.experiment}: {r.error}")
     if failed:
@@ -335,7 +373,9 @@ def build_parser() -> Parser:
     d.set_defaults(func=cmd_doctor)
     for name, func, text in (("verify", cmd_verify, "build a fabric, check all-pairs "
                                                     "reachability, tear it down"),
-                             ("up", cmd_up, "build a fabric and open the Mininet CLI")):
+                             ("up", cmd_up, "build a fabric and open its shell (Mininet's "
+                                            "CLI with the lab's commands: flows, queues, "
+                                            "capture)")):
         s = sub.add_parser(name, help=text)
         add_topology_args(s)
         s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")
@@ -389,7 +429,9 @@ def build_parser() -> Parser:
                    ).set_defaults(func=cmd_clean)
     a = sub.add_parser("allreduce", help="all-reduce values over a small fabric; every host "
                                          "prints its result")
-    a.add_argument("--values", help="one value per GPU host, e.g. 0.7,0.9,0.6,0.8")
+    a.add_argument("--values", metavar="V1,V2,...",
+                   help="one value per GPU host, e.g. 0.7,0.9,0.6,0.8; negative values "
+                        "too, either spelling: --values -0.5,0.3 or --values=-0.5,0.3")
     a.add_argument("--size-mb", type=float, help="all-reduce random float32 tensors of this size")
     a.add_argument("--gpus", type=int, default=4, help="GPU hosts with --size-mb (default 4)")
     a.add_argument("--transport", choices=["rc", "mrc"], default="rc")

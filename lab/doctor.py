@@ -80,15 +80,15 @@ def capabilities() -> list[Capability]:
     caps = []
     root = os.geteuid() == 0
     caps.append(Capability("root", root, "running as root" if root else "not root",
-                           "everything: namespaces, OVS and tc need root (use sudo)", True))
+                           "everything: namespaces, OVS and tc need root (a root shell, or sudo)", True))
     mn = importlib.util.find_spec("mininet") is not None and which("mnexec") is not None
     caps.append(Capability("mininet", mn, "python module and mnexec" if mn else "missing",
-                           "building fabrics (run 'sudo make demo' to install)", True))
+                           "building fabrics ('make demo' as root installs it)", True))
     ovs_ok = ovs.installed()
     caps.append(Capability("openvswitch", ovs_ok,
                            ("running" if ovs.running() else "installed, not running (the lab "
                             "starts it)") if ovs_ok else "missing",
-                           "switches (run 'sudo make demo' to install)", True))
+                           "switches ('make demo' as root installs it)", True))
     kdp = root and ovs.kernel_datapath_available()
     caps.append(Capability("ovs-kernel-datapath", kdp,
                            "openvswitch module loaded" if kdp else
@@ -97,7 +97,7 @@ def capabilities() -> list[Capability]:
                            "(~6 Gbit/s TCP over 3 switches) and its queues sit behind AF_PACKET"))
     osken = importlib.util.find_spec("os_ken") is not None
     caps.append(Capability("controller-os-ken", osken, "importable" if osken else "missing",
-                           "routing the fabric (run 'sudo make demo')", True))
+                           "routing the fabric ('make demo' as root installs it)", True))
     probes = _qdisc_probes() if root else {}
     notes = {
         "htb": ("per-port rate limits and queues", True),
@@ -179,5 +179,5 @@ def render(caps: list[Capability]) -> str:
                  f"{d['ecn_mode_default']}")
     lines.append(calibration_line(d))
     lines.append("the lab can run" if d["can_run"] else
-                 "the lab cannot run: fix the MISSING lines (sudo make demo installs them)")
+                 "the lab cannot run: fix the MISSING lines ('make demo' as root installs them)")
     return "\n".join(lines)

@@ -70,14 +70,14 @@ def _service(action: str) -> None:
         ok = _ok([OVS_CTL, action, "--system-id=random"], timeout=60)
     if not ok or not running():
         raise LabError(f"could not {action} Open vSwitch; see /var/log/openvswitch/ and run "
-                       f"'sudo vagrant/provision.sh' to reinstall it")
+                       f"'bash vagrant/provision.sh' as root to reinstall it")
 
 
 def ensure_running() -> str:
     """Start OVS if needed and configure it for the datapath; return the datapath kind."""
     if not installed():
-        raise LabError("Open vSwitch is not installed: run 'sudo make demo' (or "
-                       "'sudo vagrant/provision.sh') to install the lab's packages")
+        raise LabError("Open vSwitch is not installed: run 'make demo' as root (or "
+                       "'bash vagrant/provision.sh') to install the lab's packages")
     if not running():
         _service("start")
     kind = datapath()

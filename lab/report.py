@@ -16,8 +16,13 @@ import html
 import json
 from pathlib import Path
 
+from lab import readable
+
 PLOTS = "plots"
 QUEUES_SHOWN = 4
+# a variant section's [start, end] in unix time (the span its counters cover): the queue
+# plot gives each such variant its own panel
+SPAN_KEY = "counted_unix_s"
 
 
 # --- data ------------------------------------------------------------------------------
@@ -81,18 +86,47 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def variant_spans(result: dict) -> dict[str, tuple[float, float]]:
+    """variant -> (start, end) in unix time (queues.csv's clock), for the variants that
+    record the span their counters cover (counted_unix_s)."""
+    return {v: tuple(s[SPAN_KEY]) for v, s in variants(result["metrics"]).items()
+            if isinstance(s.get(SPAN_KEY), list) and len(s[SPAN_KEY]) == 2}
+
+
 def plot_queues(workdir: Path, result: dict, out: Path) -> Path | None:
+    """The busiest queues' backlog over time: one panel per variant when the variants
+    say when they ran (each on its own time axis from its start, so that no one has to
+    guess which stretch of a shared axis was which), else one panel for the run."""
     busiest = [k for k, q in result["metrics"].get("telemetry", {})
                .get("busiest_queues", {}).items() if q.get("backlog_bytes_max")]
     series = queue_series(workdir, busiest[:QUEUES_SHOWN])
     if not series:
         return None
-    t0 = min(t[0] for t, _ in series.values())
-    plt, fig, ax = _figure("Queue backlog, busiest queues (switch:port:priority)",
-                           "time (s)", "backlog (KB)")
-    for key, (t, b) in series.items():
-        ax.step([x - t0 for x in t], [x / 1024 for x in b], where="post", label=key, lw=0.8)
-    ax.legend(fontsize=8)
+    by_variant = variant_spans(result)
+    spans = by_variant or {"": (min(t[0] for t, _ in series.values()),
+                                max(t[-1] for t, _ in series.values()))}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(spans), 1, figsize=(8, 1.2 + 2.2 * len(spans)), dpi=100,
+                             sharey=True, squeeze=False)
+    fig.suptitle("Queue backlog, busiest queues (switch:port:priority)")
+    for ax, (variant, (start, end)) in zip(axes[:, 0], spans.items()):
+        for i, (key, (t, b)) in enumerate(series.items()):
+            # the sample before the span holds the backlog at its start
+            first = max(0, next((j for j, x in enumerate(t) if x >= start), len(t)) - 1)
+            shown = [(x, y) for x, y in zip(t[first:], b[first:]) if x <= end]
+            if shown:   # a row is written on a change: the last value holds to the end
+                shown.append((end, shown[-1][1]))
+            ax.step([max(x, start) - start for x, _ in shown], [y / 1024 for _, y in shown],
+                    where="post", label=key, lw=0.8, color=f"C{i}")
+        if variant:
+            ax.set_title(f"variant {variant}", fontsize=10, loc="left")
+        ax.set_xlim(0, end - start)
+        ax.set_ylabel("backlog (KB)")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the variant started (s)" if by_variant else "time (s)")
+    axes[0, 0].legend(fontsize=8)
     return _save(plt, fig, out / "queues.png")
 
 
@@ -179,7 +213,7 @@ def _fmt(v) -> str:
 
 def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) for the report's tables."""
-    claims = [[("PASS" if c["passed"] else "FAIL"), c["name"], _fmt(c["measured"]),
+    claims = [[("PASS" if c["passed"] else "FAIL"), c["name"], readable.claim_measured(c),
                str(c["expected"])] for c in result["claims"]]
     out = [("Claims", ["", "claim", "measured", "expected"], claims)]
     params = {**result["params"], **{f"topology.{k}": v for k, v in result["topology"].items()}}

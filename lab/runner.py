@@ -88,6 +88,7 @@ class Claim:
     passed: bool
     measured: Any
     expected: str
+    unit: str = ""      # of every number in measured, for the report (lab/readable.py)
 
 
 @dataclass

@@ -202,6 +202,16 @@ class QueueTelemetry:
             if self.table is not None:
                 self.table.close()
 
+    def snapshot(self) -> dict[str, QueueSample]:
+        """Every queue now, sampled once without the thread (a shell's `queues`)."""
+        nl = tcnl.Netlink()
+        try:
+            return self.sample(nl)
+        finally:
+            nl.close()
+            if self.table is not None:
+                self.table.close()
+
     # --- reading ----------------------------------------------------------------------
     def latest(self) -> dict[str, QueueSample]:
         return {k: v[-1] for k, v in self.series.items() if v}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lab import runner
+from lab import readable, runner
 from lab.errors import LabError
 
 RESULTS_DIR = runner.RESULTS_DIR
@@ -150,8 +150,8 @@ def write_index(out: Path, done: list[ChapterResult]) -> Path:
                + _status(r) + f" in {r.seconds:.0f} s; "
                + (f"error: {r.error}" if r.error else f"[report]({r.workdir.name}/report.html)"),
                ""]
-        md += [f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: measured {c['measured']}, "
-               f"expected {c['expected']}" for c in r.claims]
+        md += [f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: measured "
+               f"{readable.claim_measured(c)}, expected {c['expected']}" for c in r.claims]
         md += [f"- warning: {w}" for w in (r.result or {}).get("warnings", [])]
         md.append("")
     (out / "index.md").write_text("\n".join(md))
@@ -177,7 +177,7 @@ def _html(done: list[ChapterResult], total: float) -> str:
                     f"{link}</p><ul>")
         body += [f"<li class={'pass' if c['passed'] else 'fail'}>"
                  f"{'PASS' if c['passed'] else 'FAIL'} {esc(c['name'])}: measured "
-                 f"{esc(str(c['measured']))}, expected {esc(str(c['expected']))}</li>"
+                 f"{esc(readable.claim_measured(c))}, expected {esc(str(c['expected']))}</li>"
                  for c in r.claims]
         body += [f"<li class=warn>warning: {esc(w)}</li>"
                  for w in (r.result or {}).get("warnings", [])]

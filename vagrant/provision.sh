@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # Installs everything fabriclab needs, on Debian 12 / Ubuntu 24.04, as root.
-# Used by `make demo`, `make test` and the Vagrantfile. Idempotent: each step
-# checks first and skips what is already done.
-#   usage: vagrant/provision.sh [REPO_DIR]
+# Used by `make demo`, `make test`, the Vagrantfile and the lab VM's image. Idempotent:
+# each step checks first and skips what is already done. It never calls sudo: run it as
+# root (`make demo` in a root shell, or `sudo make demo` as a user with sudo).
+#   usage: vagrant/provision.sh [--check] [REPO_DIR]
+#   --check  only say which packages are missing and whether this distribution has
+#            them (from the package lists as they are: no apt-get update); installs
+#            nothing, needs no root
+#   FABRICLAB_SUITE_TOOLS=0  leaves out what only the suite's checks use (Chromium, Vagrant)
 set -euo pipefail
 
+check_only=0
+if [ "${1:-}" = "--check" ]; then
+    check_only=1
+    shift
+fi
 REPO="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
 # The venv may live outside the repo (Vagrant: shared folders handle symlinks badly).
 VENV="${FABRICLAB_VENV:-$REPO/.venv}"
 log() { printf '[provision] %s\n' "$*"; }
+fail() { printf '[provision] error: %s\n' "$*" >&2; exit 2; }
 
-if [ "$(id -u)" -ne 0 ]; then
-    echo "provision.sh must run as root (try: sudo make demo)" >&2
-    exit 2
+if [ "$check_only" -eq 0 ] && [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+        fail "provisioning installs packages and needs root: sudo make demo (or sudo bash vagrant/provision.sh)"
+    fi
+    fail "provisioning installs packages and needs root, and this machine has no sudo: in a root shell (su -), run make demo (or bash vagrant/provision.sh)"
 fi
 
-# Debian/Ubuntu packages. python3-venv gives the venv; mininet's python module
-# is the distribution's, so the venv is made with --system-site-packages.
+# Debian/Ubuntu packages, the same names on both (README: "Packages per distribution"
+# says which were tried where). python3-venv gives the venv; mininet's python module is
+# the distribution's, so the venv is made with --system-site-packages.
 PACKAGES=(
     python3 python3-venv python3-pip
     mininet openvswitch-switch iperf3 libiperf0
@@ -29,19 +43,61 @@ PACKAGES=(
     # peers where the kernel has rdma_rxe (the Vagrant VM, the lab VM)
     rdma-core ibverbs-providers ibverbs-utils perftest
 )
-missing=()
-for p in "${PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+# Installed where the distribution has them as packages, else left out with a note: the
+# suite skips what needs them. Chromium screenshots the reports (tests/test_report.py;
+# Ubuntu ships it as a snap only); Vagrant validates the Vagrantfile (tests/test_vagrant.py).
+OPTIONAL=()
+if [ "${FABRICLAB_SUITE_TOOLS:-1}" != 0 ]; then
+    OPTIONAL+=(chromium vagrant)
+fi
+
+# (grep reads all its input, not -q: under pipefail a writer cut off early fails the test)
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep 'install ok installed' >/dev/null; }
+# has a version apt could install (not unknown, not purely virtual)
+available() { LC_ALL=C apt-cache policy "$1" 2>/dev/null | grep -E '^ +Candidate: [^(]' >/dev/null; }
+
+missing=() missing_optional=()
+for p in "${PACKAGES[@]}"; do installed "$p" || missing+=("$p"); done
+for p in "${OPTIONAL[@]}"; do installed "$p" || missing_optional+=("$p"); done
+distro="$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || echo "this distribution")"
+
+updated=0
+if [ "${#missing[@]}" -gt 0 ] && [ "$check_only" -eq 0 ]; then
+    apt-get update -q
+    updated=1
+fi
+# Every package is checked before any is installed: a name this distribution does not
+# have (renamed, or in a repository not enabled) stops here, not half-way.
+unavailable=()
+for p in "${missing[@]}"; do available "$p" || unavailable+=("$p"); done
+if [ "${#unavailable[@]}" -gt 0 ]; then
+    fail "$distro has no package ${unavailable[*]} (apt-cache policy shows no candidate); nothing was installed. Enable the repository that has it (on Ubuntu, e.g. universe), or see the README's Packages per distribution"
+fi
+# An optional package the package lists do not have is left out, and is no reason to
+# refresh them (on Ubuntu, Chromium would otherwise cost an apt-get update every run).
+to_install=("${missing[@]}")
+for p in "${missing_optional[@]}"; do
+    if available "$p"; then
+        to_install+=("$p")
+    else
+        log "leaving out $p: $distro has no package of it (the suite skips what needs it)"
+    fi
 done
-if [ "${#missing[@]}" -gt 0 ]; then
-    log "installing packages: ${missing[*]}"
+if [ "$check_only" -eq 1 ]; then
+    log "would install: ${to_install[*]:-nothing}"
+    exit 0
+fi
+if [ "${#to_install[@]}" -eq 0 ]; then
+    log "packages: all present"
+else
+    if [ "$updated" -eq 0 ]; then
+        apt-get update -q
+    fi
+    log "installing packages: ${to_install[*]}"
     export DEBIAN_FRONTEND=noninteractive
     # tshark asks whether non-root users may capture; the lab runs as root.
     echo 'wireshark-common wireshark-common/install-setuid boolean false' | debconf-set-selections 2>/dev/null || true
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
-else
-    log "packages: all present"
+    apt-get install -y -q --no-install-recommends "${to_install[@]}"
 fi
 
 # The virtualenv: distribution python (it sees the distribution's mininet module).
@@ -64,4 +120,4 @@ fi
 
 # Open vSwitch: started, with the datapath this kernel supports.
 "$VENV/bin/fabriclab" ovs-start
-log "done. Try: sudo make demo"
+log "done. Try: make demo (as root)"

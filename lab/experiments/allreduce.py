@@ -109,5 +109,5 @@ def claims(params: Params, m: dict) -> list[Claim]:
         agree,
         Claim("no faster than the wire allows (the alpha-beta bandwidth term)",
               m["time_s"] >= m["model_time_s"], round(m["time_s"], 4),
-              f">= {m['model_time_s']:.4f} s"),
+              f">= {m['model_time_s']:.4f} s", "s"),
     ]

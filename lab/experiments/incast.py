@@ -344,7 +344,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
                      {v: m[v]["all_intact"] for v in ran}, "all True"))
     if "none" in m:
         out.append(Claim("none: the bottleneck queue overflows (drops > 0)",
-                         m["none"]["drops_packets"] > 0, m["none"]["drops_packets"], "> 0"))
+                         m["none"]["drops_packets"] > 0, m["none"]["drops_packets"], "> 0",
+                         "packets"))
     if "pfc" in m:
         v = m["pfc"]
         out.append(Claim("pfc: no drops at the bottleneck, pause frames sent",
@@ -364,10 +365,10 @@ def claims(params: Params, m: dict) -> list[Claim]:
                   v["max_deviation_from_fair"], f"<= {FAIRNESS_TOLERANCE}"),
             Claim("ecn: bottleneck backlog p50 between Kmin and Kmax",
                   kmin <= v["backlog_bytes_p50"] <= kmax, v["backlog_bytes_p50"],
-                  f"[{kmin:.0f}, {kmax:.0f}] bytes"),
+                  f"[{kmin:.0f}, {kmax:.0f}] bytes", "bytes"),
         ]
     if "ecn+pfc" in m:
         v = m["ecn+pfc"]
         out.append(Claim("ecn+pfc: no drops at the bottleneck", v["drops_packets"] == 0,
-                         v["drops_packets"], "== 0"))
+                         v["drops_packets"], "== 0", "packets"))
     return out

@@ -85,8 +85,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
               f"rc {rc['intact']}, mrc {mrc['intact']}", "True, True"),
         Claim("MRC resends exactly the lost packets",
               mrc["retransmitted_packets"] == mrc["lost_packets"],
-              mrc["retransmitted_packets"], f"== {mrc['lost_packets']} lost"),
+              mrc["retransmitted_packets"], f"== {mrc['lost_packets']} lost", "packets"),
         Claim("RC (go-back-N) resends more than it lost",
               rc["retransmitted_packets"] > rc["lost_packets"],
-              rc["retransmitted_packets"], f"> {rc['lost_packets']} lost"),
+              rc["retransmitted_packets"], f"> {rc['lost_packets']} lost", "packets"),
     ]

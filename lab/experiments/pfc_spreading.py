@@ -172,7 +172,7 @@ def claims(params: Params, m: dict) -> list[Claim]:
         Claim("every message arrived intact", all(m[v]["all_intact"] for v in VARIANTS),
               {v: m[v]["all_intact"] for v in VARIANTS}, "all True"),
         Claim("pfc: pause spreads beyond the congested switch (two switches send pauses)",
-              len(spread) >= 2, spread, ">= 2 switches"),
+              len(spread) >= 2, spread, ">= 2 switches", "pause frames"),
         Claim(f"pfc: the victim loses throughput (< {HOL_LOSS:.0%} of its rate alone)",
               ratio["pfc"] < HOL_LOSS, ratio["pfc"], f"< {HOL_LOSS}"),
         Claim(f"ecn: the victim keeps its throughput (>= {KEEPS:.0%} of its rate alone)",

@@ -39,7 +39,8 @@ def run(ctx: RunContext) -> dict:
 def claims(params: Params, m: dict) -> list[Claim]:
     return [
         Claim("every host pair reachable", m["pairs_reachable"] == m["pairs_total"],
-              m["pairs_reachable"], f"== {m['pairs_total']}"),
+              m["pairs_reachable"], f"== {m['pairs_total']}", "pairs"),
         Claim("every reply crossed a shortest path (hop count from TTL)",
-              m["pairs_wrong_hops"] == 0, m["pairs_wrong_hops"], "== 0 pairs off"),
+              m["pairs_wrong_hops"] == 0, m["pairs_wrong_hops"], "== 0 pairs off",
+              "pairs off"),
     ]

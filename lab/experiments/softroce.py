@@ -204,18 +204,18 @@ def claims(params: Params, m: dict) -> list[Claim]:
            Claim("every frame both sent parsed as RoCE v2 with a correct ICRC",
                  all(m[t][k]["malformed"] == 0 for t in ("lab_rc", "rxe") for k in losses),
                  {t: sum(m[t][k]["malformed"] for k in losses) for t in ("lab_rc", "rxe")},
-                 "0 malformed")]
+                 "0 malformed", "malformed")]
     whole = params.messages * params.message_packets
     out.append(Claim("the captures hold every packet of every transfer (the counts are exact)",
                      all(m[t][k]["distinct_psns"] == whole for t in ("lab_rc", "rxe")
                          for k in losses),
                      {t: [m[t][k]["distinct_psns"] for k in losses] for t in ("lab_rc", "rxe")},
-                     f"{whole} PSNs each"))
+                     f"{whole} PSNs each", "PSNs"))
     if lossy:
         out.append(Claim("the link lost packets at every nonzero loss rate, for both",
                          all(m[t][k]["lost_packets"] > 0 for t in ("lab_rc", "rxe") for k in lossy),
                          {t: [m[t][k]["lost_packets"] for k in lossy] for t in ("lab_rc", "rxe")},
-                         "> 0 each"))
+                         "> 0 each", "packets"))
         out.append(Claim("go-back-N in both: each resends more than it lost (lossy runs)",
                          all(m[t][k]["retransmitted"] > m[t][k]["lost_packets"]
                              for t in ("lab_rc", "rxe") for k in lossy),
@@ -226,5 +226,5 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          all(m[t][hi]["retransmitted"] > m[t][lo]["retransmitted"]
                              for t in ("lab_rc", "rxe")),
                          {t: [m[t][k]["retransmitted"] for k in losses]
-                          for t in ("lab_rc", "rxe")}, f"{hi} > {lo}, each"))
+                          for t in ("lab_rc", "rxe")}, f"{hi} > {lo}, each", "packets"))
     return out

@@ -385,9 +385,12 @@ def _provision(root: Path, p: Progress) -> None:
     for path, text in stubs.items():
         path.write_text(text)
         path.chmod(0o755)
+    # The image runs the kernel tier: none of the suite's tools for reports and the
+    # Vagrantfile (FABRICLAB_SUITE_TOOLS).
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive",
-           "FABRICLAB_VENV": VENV_IN_VM, "FABRICLAB_DATAPATH": "user", **cfg.env}
+           "FABRICLAB_VENV": VENV_IN_VM, "FABRICLAB_DATAPATH": "user",
+           "FABRICLAB_SUITE_TOOLS": "0", **cfg.env}
     binds = "".join(f"mkdir -p '{root}{d}' && mount --bind -o ro '{d}' '{root}{d}'\n"
                     for d in cfg.dirs)
     # A private mount namespace (the mounts vanish with it) and a PID namespace: the

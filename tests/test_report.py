@@ -1,0 +1,150 @@
+"""Reports a person reads: claims as text, the queue plot per variant, and the pages in a
+real browser at a laptop's width. Built from a fabricated incast run (no lab: pure,
+runs with --noconftest); the browser tests need Chromium (vagrant/provision.sh)."""
+import csv
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from lab import browser, readable, report, tour
+from lab.runner import Claim
+
+VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
+T0 = 1_764_700_000.0          # unix time, as queues.csv and counted_unix_s hold it
+SPAN_S, GAP_S = 2.0, 1.5      # each variant's traffic, and the set-up between two
+
+
+def fabricated_incast(workdir: Path) -> dict:
+    """An incast run's results directory as the runner leaves it (metrics.json,
+    queues.csv): four variants one after the other on one clock."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = {"receiver": "g0", "senders": [f"g{i}" for i in range(1, 9)]}
+    rows = []
+    for i, v in enumerate(VARIANTS):
+        start = T0 + i * (SPAN_S + GAP_S)
+        metrics[v] = {"drops_packets": 50 if v == "none" else 0, "ce_marked_packets": 3146,
+                      "cnp_packets": 1905, "pause_frames_sent": 4518 if "pfc" in v else 0,
+                      "backlog_bytes_p50": 3246, "all_intact": True,
+                      "counted_unix_s": [start, start + SPAN_S]}
+        for k in range(0, 200, 5):   # a backlog that rises and falls in every variant
+            rows.append([start + k / 100, "fl-lf0", 2, 3, (k % 40) * 1600, k % 40, k, 0, 0, 0])
+    metrics["telemetry"] = {"busiest_queues": {"fl-lf0:2:3": {"backlog_bytes_max": 64000}}}
+    with open(workdir / "queues.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t", "switch", "port", "priority", "backlog_bytes", "backlog_packets",
+                    "sent_packets", "drops", "ce_marked_packets", "paused"])
+        w.writerows(rows)
+    claims = [
+        Claim("every message that arrived is intact, every variant", True,
+              {v: True for v in VARIANTS}, "all True"),
+        Claim("none: the bottleneck queue overflows (drops > 0)", True, 50, "> 0", "packets"),
+        Claim("pfc: no drops at the bottleneck, pause frames sent", True,
+              {"drops": 0, "pause_frames_sent": 4518}, "drops == 0, pause frames > 0"),
+        Claim("every GPU host holds the mean of the values", True,
+              {f"g{i}": 0.75 for i in range(4)}, "0.75 on every host"),
+        Claim("ecn: bottleneck backlog p50 between Kmin and Kmax", True, 3246,
+              "[2048, 16384] bytes", "bytes"),
+        Claim("the controller rerouted around the failed link", False,
+              {"rc": 0.312, "mrc": None}, "seconds, both", "s"),
+    ]
+    result = {"experiment": "incast", "params": {"flow_kb": 200, "variants": ",".join(VARIANTS)},
+              "topology": {"kind": "leaf-spine", "spines": 1, "leaves": 2},
+              "rate_scale": {"factor": 1000, "meaning": "1 emulated Mb/s stands for 1000 real "
+                                                        "Mb/s"},
+              "datapath": "userspace", "metrics": metrics,
+              "claims": [c.__dict__ for c in claims], "passed": False,
+              "warnings": ["hosts g3 were CPU-bound"], "timings_s": {"total_s": 14.2}}
+    (workdir / "metrics.json").write_text(json.dumps(result))
+    return result
+
+
+@pytest.fixture
+def incast_report(tmp_path):
+    workdir = tmp_path / "incast"
+    result = fabricated_incast(workdir)
+    report.write(workdir, result)
+    return workdir
+
+
+@pytest.fixture
+def tour_index(tmp_path, incast_report):
+    """A tour's index over the fabricated run and a chapter that could not run."""
+    result = json.loads((incast_report / "metrics.json").read_text())
+    done = [tour.ChapterResult(tour.CHAPTERS[2], incast_report, 31.0, result),
+            tour.ChapterResult(tour.CHAPTERS[7], tmp_path / "08-rack-vs-scaleout", 2.0,
+                               error="the machine is too slow for 8 GPU hosts at 10 Mb/s")]
+    return tour.write_index(tmp_path, done)
+
+
+# --- claims as text ---------------------------------------------------------------------
+@pytest.mark.parametrize("value, unit, text", [
+    ({"drops": 50, "pause_frames_sent": 4518}, "", "drops 50, pause frames sent 4,518"),
+    ({"g0": 0.75, "g1": 0.75, "g2": 0.75, "g3": 0.75}, "", "all 0.75 (g0, g1, g2, g3)"),
+    ({"ce_marked": 3146, "cnps": 1905}, "", "CE marked 3,146, CNPs 1,905"),
+    ({"rc": 0.312, "mrc": None}, "s", "RC 0.312 s, MRC not measured"),
+    ({"lab_rc": [10, 20], "rxe": [9, 18]}, "packets", "lab RC 10 packets, 20 packets; rxe 9 "
+                                                      "packets, 18 packets"),
+    (3246, "bytes", "3,246 bytes (3.2 KB)"),
+    (0.123, "", "0.123"),
+    (1234567.0, "", "1,234,567"),
+    ("mrc 0.12 s", "", "mrc 0.12 s"),
+])
+def test_measured_values_read_as_text(value, unit, text):
+    assert readable.measured(value, unit) == text
+
+
+def test_the_report_shows_claims_as_text_and_keeps_the_raw_values(incast_report):
+    md = (incast_report / "report.md").read_text()
+    page = (incast_report / "report.html").read_text()
+    claims_md = md.split("## Claims")[1].split("## Parameters")[0]
+    assert "{'" not in claims_md and "{&#x27;" not in page     # no Python reprs
+    assert "drops 0, pause frames sent 4,518" in claims_md
+    assert "all 0.75 (g0, g1, g2, g3)" in page
+    assert "3,246 bytes (3.2 KB)" in page
+    raw = json.loads((incast_report / "metrics.json").read_text())["claims"]
+    assert raw[2]["measured"] == {"drops": 0, "pause_frames_sent": 4518}
+
+
+def test_the_tour_index_shows_claims_as_text(tour_index):
+    for page in (tour_index, tour_index.with_suffix(".md")):
+        text = page.read_text()
+        assert "{'" not in text and "{&#x27;" not in text
+        assert "drops 0, pause frames sent 4,518" in text
+
+
+def test_the_queue_plot_has_a_panel_per_variant(incast_report):
+    result = json.loads((incast_report / "metrics.json").read_text())
+    assert list(report.variant_spans(result)) == list(VARIANTS)
+    png = (incast_report / report.PLOTS / "queues.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])   # the PNG header's IHDR
+    assert (width, height) == (800, 1000)               # 4 panels of 2.2 in, at 100 dpi
+
+
+# --- in a real browser --------------------------------------------------------------------
+needs_chromium = pytest.mark.skipif(
+    not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")),
+    reason="no Chromium (vagrant/provision.sh installs Debian's chromium)")
+
+
+@needs_chromium
+@pytest.mark.parametrize("which", ["report", "tour index"])
+def test_pages_fit_a_laptop_screen(which, incast_report, tour_index, tmp_path):
+    page = incast_report / "report.html" if which == "report" else tour_index
+    shot = browser.screenshot(page, tmp_path / f"{which.replace(' ', '-')}.png")
+    assert struct.unpack(">II", shot.read_bytes()[16:24]) == (browser.LAPTOP_WIDTH_PX,
+                                                             browser.HEIGHT_PX)
+    got = browser.layout(page)
+    assert got.viewport_px == browser.LAPTOP_WIDTH_PX
+    assert not got.overflows, got
+
+
+@needs_chromium
+def test_the_layout_check_sees_a_page_too_wide(tmp_path):
+    page = tmp_path / "wide.html"
+    page.write_text("<!doctype html><html><body><table><tr><td>"
+                    + "x" * 400 + "</td></tr></table></body></html>")
+    got = browser.layout(page)
+    assert got.overflows and got.page_width_px > browser.LAPTOP_WIDTH_PX

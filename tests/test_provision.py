@@ -42,11 +42,12 @@ def calls(bin_dir: Path, name: str) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def run(bin_dir: Path, *args: str, uid: int = 0, sudo: bool = True):
+def run(bin_dir: Path, *args: str, uid: int = 0, sudo: bool = True, **more_env: str):
     stand_in(bin_dir, "id", f"echo {uid}")
     if not sudo:
         (bin_dir / "sudo").unlink()
-    env = {"PATH": str(bin_dir), "FABRICLAB_VENV": str(bin_dir.parent / "venv"), "LANG": "C"}
+    env = {"PATH": str(bin_dir), "FABRICLAB_VENV": str(bin_dir.parent / "venv"), "LANG": "C",
+           **more_env}
     return subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=60)
 
 
@@ -102,8 +103,9 @@ def test_make_as_root_calls_no_sudo(bin_dir):
 
 
 def test_an_optional_package_the_distribution_lacks_costs_no_update(bin_dir):
-    """Everything required installed, Chromium and Vagrant unknown (Ubuntu's Chromium is
-    a snap): no apt-get at all, and provisioning goes on to the virtualenv and OVS."""
+    """The suite's tools asked for (as `make test` does), everything required installed,
+    Chromium and Vagrant unknown (Ubuntu's Chromium is a snap): no apt-get at all, and
+    provisioning goes on to the virtualenv and OVS."""
     stand_in(bin_dir, "dpkg-query", 'case "$3" in chromium|vagrant) exit 1;; esac\n'
                                     'printf "install ok installed"')
     stand_in(bin_dir, "apt-cache", 'case "$2" in chromium|vagrant) exit 0;; esac\n'
@@ -115,8 +117,22 @@ def test_an_optional_package_the_distribution_lacks_costs_no_update(bin_dir):
     want = subprocess.run("(cat setup.py; ls -d */__init__.py) | sha256sum | cut -d' ' -f1",
                           shell=True, cwd=REPO, capture_output=True, text=True).stdout
     (venv / ".provisioned").write_text(want)
-    done = run(bin_dir, "/bin/bash", str(PROVISION), str(REPO))
+    done = run(bin_dir, "/bin/bash", str(PROVISION), str(REPO), FABRICLAB_SUITE_TOOLS="1")
     assert done.returncode == 0, done.stderr
     assert "leaving out chromium" in done.stdout and "virtualenv: up to date" in done.stdout
     assert not calls(bin_dir, "apt-get") and not calls(bin_dir, "sudo")
     assert calls(bin_dir, "fabriclab") == ["ovs-start"]
+
+
+@pytest.mark.parametrize("suite_tools, wanted", [("", "nothing"), ("1", "chromium vagrant")])
+def test_only_the_suite_asks_for_its_browser_and_vagrant(bin_dir, suite_tools, wanted):
+    """`make demo` provisions without the suite's tools; `make test` sets
+    FABRICLAB_SUITE_TOOLS=1 and gets them."""
+    stand_in(bin_dir, "dpkg-query", 'case "$3" in chromium|vagrant) exit 1;; esac\n'
+                                    'printf "install ok installed"')
+    env = {"FABRICLAB_SUITE_TOOLS": suite_tools} if suite_tools else {}
+    done = run(bin_dir, "/bin/bash", str(PROVISION), "--check", str(REPO), **env)
+    assert done.returncode == 0 and f"would install: {wanted}" in done.stdout, done.stdout
+    make = subprocess.run(["make", "-p", "-n", "-C", str(REPO), "test"], capture_output=True,
+                          text=True, env={**os.environ, "FABRICLAB_SUITE_TOOLS": ""})
+    assert "FABRICLAB_SUITE_TOOLS := 1" in make.stdout

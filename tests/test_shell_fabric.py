@@ -13,7 +13,7 @@ from topologies.registry import build_topo
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI is root)")
 
 
-def test_the_readme_lines_on_a_running_fabric(tmp_path, capfd):
+def test_the_readme_lines_on_a_running_fabric(tmp_path, capfd, caplog):
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
     g0, g1 = topo.fabric.hosts
     port = g0.interface()
@@ -31,7 +31,9 @@ def test_the_readme_lines_on_a_running_fabric(tmp_path, capfd):
         setLogLevel("output")                   # what the shell prints, as `up` sets it
         with open(os.devnull) as stdin:
             FabricCLI(net.mininet, net.fabric, stdin=stdin, script=str(script))
-    out = "".join(capfd.readouterr())
+    # Mininet prints a node's answer through its logger (level 25), which pytest's
+    # logging capture may take before the terminal does: read both
+    out = "".join(capfd.readouterr()) + caplog.text
     assert "Unknown command" not in out
     assert out.count("cookie=") >= 2                        # dump-flows, twice
     assert "qdisc htb" in out                               # the port's own qdiscs

@@ -7,7 +7,8 @@
 #   --check  only say which packages are missing and whether this distribution has
 #            them (from the package lists as they are: no apt-get update); installs
 #            nothing, needs no root
-#   FABRICLAB_SUITE_TOOLS=0  leaves out what only the suite's checks use (Chromium, Vagrant)
+#   FABRICLAB_SUITE_TOOLS=1  adds what only the test suite's checks use (Chromium, Vagrant):
+#            `make test` sets it; `make demo` leaves them out
 set -euo pipefail
 
 check_only=0
@@ -47,7 +48,7 @@ PACKAGES=(
 # suite skips what needs them. Chromium screenshots the reports (tests/test_report.py;
 # Ubuntu ships it as a snap only); Vagrant validates the Vagrantfile (tests/test_vagrant.py).
 OPTIONAL=()
-if [ "${FABRICLAB_SUITE_TOOLS:-1}" != 0 ]; then
+if [ "${FABRICLAB_SUITE_TOOLS:-0}" = 1 ]; then
     OPTIONAL+=(chromium vagrant)
 fi
 

@@ -114,8 +114,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
         n = {port: after[port].get(str(prio), {}).get(key, 0)
              - before.get(port, {}).get(str(prio), {}).get(key, 0) for port in after}
         return {port: d for port, d in n.items() if d}
-    pauses_sent = delta("pause_frames_sent")
     xoff, xon = delta("xoff_frames_sent"), delta("xon_frames_sent")
+    pauses_sent = {port: xoff.get(port, 0) + xon.get(port, 0) for port in set(xoff) | set(xon)}
     return {"ecn_mode": mode, "pfc": variant == "pfc",
             "victim_rate_pps": round(rate, 1),
             "victim_completion_s": round(victim["completion_s"], 3),

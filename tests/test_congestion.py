@@ -126,6 +126,11 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         g1 = net.fabric.host("g1").interface()
         port = queues.interface_name(g1.switch, g1.port)
         nl = tcnl.Netlink()
+        # ARP and OVS's flow setup first: with the kernel datapath under a software CPU
+        # the first echo of a new flow was lost in the upcall (1 run of 3 in the lab VM)
+        for tos in (0, DSCP_TOS[PRIORITY_ROCE_DATA]):
+            _ping(net, "g0", "g1", tos, count=3)
+        warm = _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)
         send = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_PACKET, "
                 "socket.SOCK_RAW); s.bind(('g1-eth0', 0)); s.send(bytes.fromhex(sys.argv[1]))\" ")
         net.mininet["g1"].cmd(send + pause.pfc_frame(g1.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex())
@@ -152,7 +157,7 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         held.wait()
         time.sleep(0.2)
         after = read_state(net)
-    assert gate.qlen >= 3 and gate.drops == 0 and gate.packets <= 2   # held, not dropped
+    assert gate.qlen >= 3 and gate.drops == 0 and gate.packets - warm.packets <= 2  # held
     # ...and sent on after the resume, none lost
     assert released.packets - gate.packets >= gate.qlen and released.drops == 0
     assert f"{g1.switch}:{g1.port}:{PRIORITY_ROCE_DATA}" in top.stdout and "PAUSED" in top.stdout

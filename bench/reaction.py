@@ -206,14 +206,15 @@ def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
             lines.append(f"  XOFF signalled at the packet that crossed {THRESHOLD_KB:.0f} KB "
                          f"(backlog within one frame of it): {exact}/{len(xoffs)}")
             cross, slack = [e["t"] for e in xoffs], 0.0
-        lines.append(summary("  crossing -> pause enforced (senders' NIC gates closed)",
-                             latencies(cross, gate, slack)))
+        if gate:    # the sampling mode closes the senders' kernel gates
+            lines.append(summary("  crossing -> pause enforced (senders' NIC gates closed)",
+                                 latencies(cross, gate, slack)))
         per_sender = []
         for f in flows:
             arrivals = [t for t, q in f["sender_nic"]["pause_log"] if q]
             per_sender += latencies(cross, arrivals, slack)
-        lines.append(summary("  crossing -> each sender's transport reads the frame",
-                             per_sender))
+        lines.append(summary("  crossing -> each sender's transport reads the frame"
+                             + ("" if gate else " and stops (its NIC: no gate)"), per_sender))
     return lines
 
 

@@ -15,7 +15,9 @@ real 802.1Qbb frame out of every other port of that switch, on the wire
 program sees the frame arrive and signals it; the app then closes that port's
 gate (a switch port, or a GPU host's NIC), as the neighbour's MAC would. No
 packet-in path, no sampling: the reaction is two wake-ups of this thread
-(state["reaction"] holds its distribution).
+(state["reaction"] holds its distribution). A GPU host whose agent's transport
+runs (lab/gpus.py marks it in the table) stops the priority in that transport
+itself, as a NIC's MAC does: its program signals nothing and no gate closes.
 
 Without the data path (a kernel without BPF), it samples the queues instead:
 
@@ -66,12 +68,13 @@ from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_c
 from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 
-from controllers.fabric_router import EGRESS_TABLE, PRIORITY_EGRESS_MARK, logged
+from controllers.fabric_router import (EGRESS_TABLE, PRIORITY_EGRESS_MARK, PRIORITY_PAUSE_DROP,
+                                       logged)
 from controllers.protocol import EVENTS_FILE, CongestionConfig, write_state
 from lab import dataplane, netns, queues, tcnl
 from topologies.fabric import Fabric
 from traffic import pause
-from traffic.constants import PRIORITY_ROCE_DATA, Ecn
+from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_ROCE_DATA, Ecn
 
 cfg.CONF.register_cli_opts([
     cfg.StrOpt("congestion-file", help="ECN/PFC configuration (JSON) written by the lab"),
@@ -214,6 +217,30 @@ class CongestionControl(app_manager.OSKenApp):
             self.datapaths[dp.id] = dp
         else:
             self.datapaths.pop(dp.id, None)
+
+    @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
+    @logged
+    def programmed(self, ev):
+        """The router (re)programmed a switch (its flows were replaced): pause frames
+        go where the mode wants them again."""
+        self.pause_frames_flow(ev.msg.datapath, self.config.dataplane)
+
+    def pause_frames_flow(self, dp, drop: bool) -> None:
+        """With the data path, a switch port's ingress program honours pause frames
+        and drops them, but OVS's userspace datapath reads the port through an
+        AF_PACKET socket, a tap that sees every frame before that program runs: OVS
+        would send each one here as a packet-in (measured: 97 a second in the PFC
+        incast, a quarter of this app's CPU). So they are dropped in the switch too,
+        above the router's rule that sends them here for the sampling mode."""
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        match = parser.OFPMatch(eth_type=MAC_CONTROL_ETHERTYPE)
+        if drop:
+            dp.send_msg(parser.OFPFlowMod(dp, priority=PRIORITY_PAUSE_DROP, match=match,
+                                          instructions=[]))
+        else:
+            dp.send_msg(parser.OFPFlowMod(dp, command=ofp.OFPFC_DELETE_STRICT,
+                                          priority=PRIORITY_PAUSE_DROP, match=match,
+                                          out_port=ofp.OFPP_ANY, out_group=ofp.OFPG_ANY))
 
     @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
     @logged
@@ -413,8 +440,10 @@ class CongestionControl(app_manager.OSKenApp):
         port, prio = self.ports[(s.node, s.port)], e["prio"]
         key = (port.device, port.port, prio)
         if e["kind"] == dataplane.EV_XOFF:
-            self.pausing[(port.device, prio)] = (seen, {self.ports[(port.device, f)].peer
-                                                        for f in port.feeders})
+            upstream = {self.ports[(port.device, f)].peer for f in port.feeders}
+            gated = {u for u in upstream if not self.table.nic_honours(self.slot_of[u], prio)}
+            if gated:       # (a GPU agent's transport stops by itself: no gate to wait for)
+                self.pausing[(port.device, prio)] = (seen, gated)
             self.send_pfc(port, prio, self.config.pause_quanta)
             self.xoff_sent[key] = now
             self.event("xoff", port, prio=prio, backlog=e["value"], t=seen)
@@ -645,6 +674,9 @@ class CongestionControl(app_manager.OSKenApp):
         if new.dataplane:
             self.open_dataplane()
             self.apply_dataplane(new, lossless)
+        if new.dataplane != self.config.dataplane:
+            for dp in list(self.datapaths.values()):
+                self.pause_frames_flow(dp, new.dataplane)
         self.config = new
         self.logger.info("congestion configuration %d: %s", new.version, asdict(new))
         self.write_state(self.state())   # at once: the lab waits for this version

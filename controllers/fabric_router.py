@@ -7,7 +7,8 @@ learnt by flooding: each switch gets, as soon as it connects,
     group over every equal-cost port,
   * ARP to the controller, which answers from the description (proxy ARP),
   * MAC Control frames (PFC, PAUSE) to the controller, whose congestion app
-    honours them (controllers/congestion.py).
+    honours them (controllers/congestion.py; where the BPF data path takes them
+    instead, that app drops them in the switch, above this rule).
 When a link goes down (or up) the app recomputes every route without it and
 reprograms every switch, after a configurable delay: the convergence time of
 the routing protocol it stands for.
@@ -65,6 +66,7 @@ PRIORITY_EXPLICIT_EV = 250     # a RoCE packet whose source port names its path
 PRIORITY_SUBNET = 200
 PRIORITY_ARP = 100
 PRIORITY_MAC_CONTROL = 100
+PRIORITY_PAUSE_DROP = 110      # the congestion app's, where the data path takes the frames
 
 ROUTING_TABLE = 0
 EGRESS_TABLE = 1            # match reg0 (the egress port) -> output; CE marking lives here

@@ -43,7 +43,8 @@ struct prio_cfg {
 	__u32 limit_bytes;      /* the priority's buffer; a frame that does not fit is dropped */
 	__u32 xoff_bytes;       /* 0: not lossless */
 	__u32 xon_bytes;
-	__u32 pad;
+	__u32 nic_honours;      /* 1: the NIC at this link end (a GPU agent's transport)
+				 * stops this priority itself when a pause arrives: no gate */
 };
 
 struct prio_state {
@@ -315,11 +316,19 @@ int port_ingress(struct __sk_buff *skb)
 		struct port *p = port_at(port_slot);
 		struct mac_control mc;
 		struct event *e;
+		__u16 enable;
 		int i;
 
 		if (!p || !mac_control(skb, &mc))
 			return TC_ACT_OK;
 		count_mac_control(p, &mc, 0);
+		enable = bpf_ntohs(mc.enable);
+		/* user space closes a gate only for the priorities no NIC here honours */
+		for (i = 0; i < PRIOS; i++)
+			if (p->cfg[i].nic_honours)
+				enable &= ~(1 << i);
+		if (!enable)
+			return switch_port ? TC_ACT_SHOT : TC_ACT_OK;
 		e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 		if (!e)
 			return TC_ACT_OK;
@@ -327,7 +336,7 @@ int port_ingress(struct __sk_buff *skb)
 		e->kind = EV_PAUSE_RX;
 		e->slot = port_slot;
 		e->prio = 0;
-		e->value = bpf_ntohs(mc.enable);
+		e->value = enable;
 		for (i = 0; i < PRIOS; i++)
 			e->quanta[i] = bpf_ntohs(mc.time[i]);
 		bpf_ringbuf_submit(e, 0);

@@ -33,6 +33,7 @@ from pathlib import Path
 from lab import bpf, netns, queues, tcnl
 from lab.errors import LabError
 from topologies.fabric import NAME_PREFIX, Fabric
+from traffic.constants import PRIORITY_ROCE_DATA
 
 SOURCE = Path(__file__).with_name("dataplane.bpf.c")
 CACHE_DIR = Path("/var/cache/fabriclab/bpf")
@@ -44,7 +45,7 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 _HEAD = struct.Struct("=6I64s")             # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, dscp
-_CFG = struct.Struct("=4I")                 # limit, xoff, xon, pad
+_CFG = struct.Struct("=4I")                 # limit, xoff, xon, nic_honours
 _STATE = struct.Struct("=19QIi")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
@@ -53,6 +54,8 @@ STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_pack
                 "red_count")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
+# in_bytes .. ce_marked, then out_adjust: what a queue's telemetry needs
+_QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}xQ")
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
 CFG_AT = _HEAD.size
 STATE_AT = CFG_AT + PRIOS * _CFG.size
@@ -171,9 +174,9 @@ class PortTable:
         head[6] = bytes(dscp)
         _HEAD.pack_into(self.mem, at, *head)
         for prio in range(PRIOS):
-            limit, xoff, xon, _ = _CFG.unpack_from(self.mem, at + CFG_AT + prio * _CFG.size)
+            limit, xoff, xon, nic = _CFG.unpack_from(self.mem, at + CFG_AT + prio * _CFG.size)
             _CFG.pack_into(self.mem, at + CFG_AT + prio * _CFG.size, limits.get(prio, 0),
-                           xoff, xon, 0)
+                           xoff, xon, nic)
 
     def set_ecn(self, slot: int, prio_mask: int, kmin_bytes: int, kmax_bytes: int,
                 pmax: float, wlog: int, packet_ns: int) -> None:
@@ -185,8 +188,18 @@ class PortTable:
     def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int) -> None:
         """xoff_bytes 0: the priority is not lossless on this port."""
         off = self._at(slot) + CFG_AT + prio * _CFG.size
-        limit = _CFG.unpack_from(self.mem, off)[0]
-        _CFG.pack_into(self.mem, off, limit, xoff_bytes, xon_bytes, 0)
+        limit, _, _, nic = _CFG.unpack_from(self.mem, off)
+        _CFG.pack_into(self.mem, off, limit, xoff_bytes, xon_bytes, nic)
+
+    def set_nic_honours(self, slot: int, prio: int, on: bool) -> None:
+        """Whether the NIC at this link end stops `prio` itself when a pause arrives (a
+        GPU agent's transport: traffic/nic.py): then nobody closes a gate for it."""
+        off = self._at(slot) + CFG_AT + prio * _CFG.size
+        limit, xoff, xon, _ = _CFG.unpack_from(self.mem, off)
+        _CFG.pack_into(self.mem, off, limit, xoff, xon, int(on))
+
+    def nic_honours(self, slot: int, prio: int) -> bool:
+        return bool(_CFG.unpack_from(self.mem, self._at(slot) + CFG_AT + prio * _CFG.size)[3])
 
     def clear_xoff(self, slot: int, prio: int) -> None:
         """Forget a signalled XOFF (PFC turned off while a queue was paused)."""
@@ -207,6 +220,13 @@ class PortTable:
         out["backlog_bytes"] = max(0, out["in_bytes"] - out["out_bytes"] - out["out_adjust"])
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
+
+    def queue(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
+        """(backlog bytes, backlog packets, packets sent, drops, CE marks): what telemetry
+        reads of every queue every few ms, in one unpack (counters() builds a dict)."""
+        inb, outb, inp, outp, drops, _, ce, adjust = _QUEUE.unpack_from(
+            self.mem, self._state_at(slot, prio))
+        return max(0, inb - outb - adjust), max(0, inp - outp), outp, drops, ce
 
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
@@ -240,6 +260,7 @@ class Dataplane:
         self.events = events
         self.slots = slots(fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
+        self.transports: dict[str, int] = {}    # host -> GPU agents running there
 
     @classmethod
     def attach(cls, fabric: Fabric, host_pids: dict[str, int], queue_params,
@@ -323,6 +344,19 @@ class Dataplane:
 
     def counters(self, node: str, port: int, prio: int) -> dict[str, int]:
         return self.table.counters(self.slot_of[(node, port)], prio)
+
+    def transport_honours_pauses(self, host: str, on: bool) -> None:
+        """A GPU agent's transport on `host` starts (on) or stops. While one runs, it is
+        the host's NIC for RoCE data and stops that priority itself when a pause frame
+        arrives (traffic/nic.py), as a MAC does, so the controller closes no kernel
+        gate for it (two netlink changes and a wake-up per pause cycle per host: most
+        of the controller's CPU in the incast). Counted per host: a second set of
+        agents (background traffic) may run beside the first."""
+        n = self.transports.get(host, 0) + (1 if on else -1)
+        self.transports[host] = max(0, n)
+        for i, s in enumerate(self.slots):
+            if s.node == host:
+                self.table.set_nic_honours(i, PRIORITY_ROCE_DATA, n > 0)
 
     def lost_inside(self, switch: str, prio: int) -> int:
         """Frames of `prio` that entered `switch` and reached none of its egress ports

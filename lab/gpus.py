@@ -86,6 +86,7 @@ class GpuAgents:
         self.next_id = first_collective_id
         self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
         self.machine_busy: list[float] = []    # per collective: the machine's CPU busy share
+        self.honouring: list[str] = []     # hosts whose pauses this set's transports honour
         for h in self.hosts:
             intf = h.interface(network)
             profile = os.environ.get(PROFILE_ENV)   # a developer's view of the agents' CPU
@@ -102,6 +103,9 @@ class GpuAgents:
             self.procs[h.name] = proc
         for h in self.hosts:   # generous: many Python starts on a slow (emulated) CPU
             self._expect(h.name, "hello", timeout_s=120)
+            if net.dataplane is not None:
+                net.dataplane.transport_honours_pauses(h.name, True)
+                self.honouring.append(h.name)
 
     def _send(self, host: str, **cmd) -> None:
         self.procs[host].stdin.write(json.dumps(cmd) + "\n")
@@ -239,6 +243,8 @@ class GpuAgents:
                                if a is not b], transport, params)
 
     def close(self) -> None:
+        while self.honouring:
+            self.net.dataplane.transport_honours_pauses(self.honouring.pop(), False)
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 try:

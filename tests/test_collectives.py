@@ -151,6 +151,11 @@ def test_gpu_host_honours_real_pfc_frames(tmp_path):
             during = int(rx.read_text()) - before
             tap.close()
             flow.join(timeout=120)
+            # the transport is the NIC here: no kernel gate is closed for its pauses
+            slot = next(i for i, s in enumerate(net.dataplane.slots) if s.node == "g0")
+            honoured = net.dataplane.table.nic_honours(slot, PRIORITY_ROCE_DATA)
+        honoured_after = net.dataplane.table.nic_honours(slot, PRIORITY_ROCE_DATA)
+    assert honoured and not honoured_after
     assert result["intact"]
     assert result["sender_nic"]["pause_frames_received"] == 1
     assert result["sender_nic"]["paused_s"][PRIORITY_ROCE_DATA] > 0.3

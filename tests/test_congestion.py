@@ -1,6 +1,7 @@
 """Congestion on real kernel queues: per-priority classes, PFC gates, ECN marking,
 telemetry, captures; the incast and pfc-spreading experiments at small size."""
 import json
+import re
 import socket
 import subprocess
 import time
@@ -9,6 +10,7 @@ import pytest
 
 import wire
 from conftest import fabriclab
+from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
 from lab import ovs, queues, tcnl
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.errors import LabError
@@ -18,7 +20,7 @@ from lab.telemetry import QueueTelemetry
 from topologies.fabric import Fabric
 from topologies.registry import build_topo
 from traffic import pause
-from traffic.constants import PRIORITY_CNP, PRIORITY_ROCE_DATA
+from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_CNP, PRIORITY_ROCE_DATA
 from traffic.packets import pause_8023x, pfc_pause, pfc_resume
 
 DSCP_TOS = {PRIORITY_ROCE_DATA: 26 << 2, PRIORITY_CNP: 48 << 2, 0: 0}
@@ -157,6 +159,19 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         held.wait()
         time.sleep(0.2)
         after = read_state(net)
+        flows = subprocess.run(["ovs-ofctl", "-O", "OpenFlow15", "dump-flows", g1.switch,
+                                f"dl_type=0x{MAC_CONTROL_ETHERTYPE:04x}"],
+                               capture_output=True, text=True, check=True).stdout
+    by_priority = {int(p): int(n) for n, p in
+                   re.findall(r"n_packets=(\d+),.*priority=(\d+)", flows)}
+    if use_dataplane:
+        # OVS's userspace datapath reads the port through a tap, which sees the frames
+        # before the port's program takes them: the switch drops them, no packet-in.
+        # The kernel datapath's hook comes after the program: OVS never sees them.
+        seen = 2 if net.datapath == "user" else 0
+        assert by_priority == {PRIORITY_MAC_CONTROL: 0, PRIORITY_PAUSE_DROP: seen}, flows
+    else:       # the sampling mode honours them in the app
+        assert by_priority == {PRIORITY_MAC_CONTROL: 2}, flows
     assert gate.qlen >= 3 and gate.drops == 0 and gate.packets - warm.packets <= 2  # held
     # ...and sent on after the resume, none lost
     assert released.packets - gate.packets >= gate.qlen and released.drops == 0

@@ -168,3 +168,25 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     assert rx["slot"] == 1 and rx["value"] == 1 << PRIORITY_ROCE_DATA
     assert rx["quanta"][PRIORITY_ROCE_DATA] == 0xFFFF
     assert c["pfc_tx_pause"] == 1 and b["pfc_rx_pause"] == 1 and c["pfc_rx_pause"] == 0
+
+
+@requires_root
+def test_a_pause_a_transport_honours_is_counted_but_asks_for_no_gate():
+    """A GPU agent's transport stops RoCE data itself when a pause arrives (lab/gpus.py
+    marks its host's port): the program counts the frame and signals only the
+    priorities nobody there honours, for which user space closes a gate."""
+    with Pair() as pair:
+        pair.table.set_nic_honours(1, PRIORITY_ROCE_DATA, True)
+        assert pair.table.nic_honours(1, PRIORITY_ROCE_DATA) and \
+            not pair.table.nic_honours(1, 0)
+        for quanta in ({PRIORITY_ROCE_DATA: 0xFFFF}, {PRIORITY_ROCE_DATA: 0, 0: 0xFFFF}):
+            frame = pause.pfc_frame("02:fc:00:00:00:01", quanta)
+            sh(f"ip netns exec {NS_A} python3 -c \"import socket; s=socket.socket("
+               f"socket.AF_PACKET, socket.SOCK_RAW); s.bind(('{INTF_A}', 0)); "
+               f"s.send(bytes.fromhex('{frame.hex()}'))\"")
+        time.sleep(0.3)
+        events = [dataplane.parse_event(r) for r in pair.ring.records()]
+        roce, default = (pair.table.counters(1, p) for p in (PRIORITY_ROCE_DATA, 0))
+    assert [(e["kind"], e["slot"], e["value"]) for e in events] == \
+        [(dataplane.EV_PAUSE_RX, 1, 1 << 0)]
+    assert (roce["pfc_rx_pause"], roce["pfc_rx_resume"], default["pfc_rx_pause"]) == (1, 1, 1)

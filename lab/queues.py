@@ -22,9 +22,10 @@ resets the tokens on a change, so a resume takes effect at once; htb's own
 classes cannot do this: a class charged at a tiny rate owes up to 60 s).
 
 A GPU host's NIC has the same classes with their own FIFOs (`host_buffer_kb`, the
-NIC's transmit FIFOs) and no RED: its transport paces and honours pause frames
-(traffic/nic.py), and the PFC engine closes the NIC's gate as hardware would
-(controllers/congestion.py).
+NIC's transmit FIFOs) and no RED. While a GPU agent runs there, its transport is the
+NIC's MAC: it paces at the link rate and stops a paused priority itself
+(traffic/nic.py); on a host without one (rxe, the kernel's stack) the PFC engine
+closes the NIC's gate as hardware would (controllers/congestion.py).
 """
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ class QueueParams:
     # The other classes (control traffic, CNPs) are small: together with the RoCE
     # class they stay below OVS's ~100 KB of AF_PACKET send buffer per port.
     control_buffer_kb: int = 16
-    # A GPU host's queues are its NIC's transmit FIFOs, behind the NIC's gates (a PFC
-    # pause holds them too). A full one pushes back on the transport (ENOBUFS). 32 KB
-    # rides out a Python agent's scheduling hiccups at 100 Mb/s (with 8 KB, sprayed
-    # flows stalled on ENOBUFS and finished later than RC's).
+    # A GPU host's queues are its NIC's transmit FIFOs, behind the NIC's gates (a
+    # pause holds them too where the engine closes a host's gate). A full one pushes
+    # back on the transport (ENOBUFS). 32 KB rides out a Python agent's scheduling
+    # hiccups at 100 Mb/s (with 8 KB, sprayed flows stalled on ENOBUFS and finished
+    # later than RC's). Paced at the link rate (qp.PACE_AHEAD_S ahead), it rarely fills.
     host_buffer_kb: int = 32
     # DSCP -> priority; anything else -> DEFAULT_PRIORITY
     dscp_priority: dict[int, int] = field(default_factory=lambda: dict(DSCP_PRIORITY))

@@ -67,6 +67,7 @@ struct prio_state {
 	__u64 rx_bytes;
 	__u64 red_r;            /* RED: marks/packets threshold drawn at the last mark */
 	__u64 out_adjust;       /* bytes user space found gone without being seen leaving */
+	__u64 paused_until_ns;  /* a pause frame received holds this priority until then */
 	__u32 xoff;             /* 1 while XOFF is signalled */
 	__s32 red_count;        /* RED: packets since the last mark (-1: outside Kmin..Kmax) */
 };
@@ -78,6 +79,8 @@ struct port {
 	__u32 pmax_u32;         /* Pmax * 2^32 */
 	__u32 wlog;             /* RED's EWMA weight: 2^-wlog */
 	__u32 packet_ns;        /* an average packet's time on the link (idle decay) */
+	__u32 quantum_ns;       /* a pause quantum (512 bit times) on this port's link */
+	__u32 pad;
 	__u8 dscp_prio[64];
 	struct prio_cfg cfg[PRIOS];
 	struct prio_state q[PRIOS];
@@ -92,7 +95,7 @@ struct event {
 	__u16 quanta[PRIOS];    /* PAUSE_RX: pause time per priority */
 };
 
-_Static_assert(sizeof(struct port) == 1496, "lab/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct port) == 1568, "lab/dataplane.py's PORT_BYTES");
 _Static_assert(sizeof(struct event) == 40, "lab/dataplane.py's EVENT");
 
 /* The maps: the loader creates them (no BTF needed) and binds these symbols. */
@@ -317,12 +320,18 @@ int port_ingress(struct __sk_buff *skb)
 		struct mac_control mc;
 		struct event *e;
 		__u16 enable;
+		__u64 now;
 		int i;
 
 		if (!p || !mac_control(skb, &mc))
 			return TC_ACT_OK;
 		count_mac_control(p, &mc, 0);
 		enable = bpf_ntohs(mc.enable);
+		now = bpf_ktime_get_ns();
+		for (i = 0; i < PRIOS; i++)     /* the MAC's view: paused until when */
+			if (enable >> i & 1)
+				p->q[i].paused_until_ns = mc.time[i] ?
+					now + (__u64)bpf_ntohs(mc.time[i]) * p->quantum_ns : 0;
 		/* user space closes a gate only for the priorities no NIC here honours */
 		for (i = 0; i < PRIOS; i++)
 			if (p->cfg[i].nic_honours)
@@ -332,7 +341,7 @@ int port_ingress(struct __sk_buff *skb)
 		e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 		if (!e)
 			return TC_ACT_OK;
-		e->t_ns = bpf_ktime_get_ns();
+		e->t_ns = now;
 		e->kind = EV_PAUSE_RX;
 		e->slot = port_slot;
 		e->prio = 0;

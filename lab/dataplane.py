@@ -33,6 +33,7 @@ from pathlib import Path
 from lab import bpf, netns, queues, tcnl
 from lab.errors import LabError
 from topologies.fabric import NAME_PREFIX, Fabric
+from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
 SOURCE = Path(__file__).with_name("dataplane.bpf.c")
@@ -44,18 +45,20 @@ EVENTS_BYTES = 1 << 20          # the ring buffer: ~26k events
 AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
-_HEAD = struct.Struct("=6I64s")             # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, dscp
+# ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, pad, dscp
+_HEAD = struct.Struct("=8I64s")
+HEAD_DSCP, HEAD_QUANTUM = 8, 6
 _CFG = struct.Struct("=4I")                 # limit, xoff, xon, nic_honours
-_STATE = struct.Struct("=19QIi")
+_STATE = struct.Struct("=20QIi")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
                 "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
-                "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust", "xoff",
-                "red_count")
+                "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust",
+                "paused_until_ns", "xoff", "red_count")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
-# in_bytes .. ce_marked, then out_adjust: what a queue's telemetry needs
-_QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}xQ")
+# in_bytes .. ce_marked, then out_adjust and paused_until_ns: what telemetry needs
+_QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}x2Q")
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
 CFG_AT = _HEAD.size
 STATE_AT = CFG_AT + PRIOS * _CFG.size
@@ -171,7 +174,7 @@ class PortTable:
         dscp = bytearray(64)
         for d, prio in dscp_priority.items():
             dscp[d] = prio
-        head[6] = bytes(dscp)
+        head[HEAD_DSCP] = bytes(dscp)
         _HEAD.pack_into(self.mem, at, *head)
         for prio in range(PRIOS):
             limit, xoff, xon, nic = _CFG.unpack_from(self.mem, at + CFG_AT + prio * _CFG.size)
@@ -181,9 +184,17 @@ class PortTable:
     def set_ecn(self, slot: int, prio_mask: int, kmin_bytes: int, kmax_bytes: int,
                 pmax: float, wlog: int, packet_ns: int) -> None:
         at = self._at(slot)
-        dscp = _HEAD.unpack_from(self.mem, at)[6]
-        _HEAD.pack_into(self.mem, at, prio_mask, kmin_bytes, kmax_bytes,
-                        min(0xFFFFFFFF, int(pmax * 2 ** 32)), wlog, packet_ns, dscp)
+        head = list(_HEAD.unpack_from(self.mem, at))
+        head[:6] = [prio_mask, kmin_bytes, kmax_bytes, min(0xFFFFFFFF, int(pmax * 2 ** 32)),
+                    wlog, packet_ns]
+        _HEAD.pack_into(self.mem, at, *head)
+
+    def set_link(self, slot: int, rate_mbps: float) -> None:
+        """The port's link rate, as the programs need it: a pause quantum's time."""
+        at = self._at(slot)
+        head = list(_HEAD.unpack_from(self.mem, at))
+        head[HEAD_QUANTUM] = round(pause.quantum_s(rate_mbps * 1e6) * 1e9)
+        _HEAD.pack_into(self.mem, at, *head)
 
     def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int) -> None:
         """xoff_bytes 0: the priority is not lossless on this port."""
@@ -221,12 +232,13 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
-    def queue(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
-        """(backlog bytes, backlog packets, packets sent, drops, CE marks): what telemetry
-        reads of every queue every few ms, in one unpack (counters() builds a dict)."""
-        inb, outb, inp, outp, drops, _, ce, adjust = _QUEUE.unpack_from(
+    def queue(self, slot: int, prio: int) -> tuple[int, int, int, int, int, int]:
+        """(backlog bytes, backlog packets, packets sent, drops, CE marks, paused until
+        (CLOCK_MONOTONIC ns)): what telemetry reads of every queue every few ms, in one
+        unpack (counters() builds a dict)."""
+        inb, outb, inp, outp, drops, _, ce, adjust, paused_until = _QUEUE.unpack_from(
             self.mem, self._state_at(slot, prio))
-        return max(0, inb - outb - adjust), max(0, inp - outp), outp, drops, ce
+        return max(0, inb - outb - adjust), max(0, inp - outp), outp, drops, ce, paused_until
 
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
@@ -280,7 +292,10 @@ class Dataplane:
         ports.pin(pin_dir / "ports")
         events.pin(pin_dir / "events")
         dp = cls(fabric, PortTable(ports), events)
+        rate = {(end, port): ln.rate_mbps for ln in fabric.links
+                for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
         for i, s in enumerate(all_slots):
+            dp.table.set_link(i, rate[(s.node, s.port)])
             dp.table.set_queues(i, queue_params.dscp_priority,
                                 {p: queue_params.buffer_bytes(p) for p in queue_params.priorities}
                                 if s.switch else {})

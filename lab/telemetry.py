@@ -11,8 +11,9 @@ counter, the BPF data path's (lab/dataplane.py), or the controller's when it
 marks: its state file, updated every 100 ms, counts a marking period when it
 ends), and whether the gate is closed (PFC pause). Where the data path runs, its
 counters (mapped into this process: no system call) give the backlog, packets sent,
-drops at the buffer limit and CE marks every few milliseconds, and the kernel's
-(gates, RED) are dumped every KERNEL_EVERY_S. A CSV row is written when something
+drops at the buffer limit, CE marks and pauses (a pause frame received, until its
+time runs out or a resume) every few milliseconds, and the kernel's (drops past the
+program, RED's marks) are dumped every KERNEL_EVERY_S. A CSV row is written when something
 changed; the summary covers any time window of the run.
 """
 from __future__ import annotations
@@ -31,7 +32,9 @@ from lab import dataplane, queues, tcnl
 from topologies.fabric import Fabric
 
 CONTROLLER_READ_S = 0.05
-KERNEL_EVERY_S = 0.05     # with the data path: the kernel's own counters, this often
+# With the data path: the kernel's own counters (drops past the program, RED's marks),
+# this often. Pauses come from the program (it sees each pause frame arrive).
+KERNEL_EVERY_S = 0.5
 CSV_COLUMNS = ["t", "switch", "port", "priority", "backlog_bytes", "backlog_packets",
                "sent_packets", "drops", "ce_marked", "paused"]
 
@@ -112,8 +115,9 @@ class QueueTelemetry:
 
     def sample(self, nl: tcnl.Netlink) -> dict[str, QueueSample]:
         """Every queue now. With the data path its counters come from the table mapped
-        into this process (no system call); the kernel's own (a gate's state, a
-        kernel drop, RED's marks) from one rtnetlink dump every KERNEL_EVERY_S."""
+        into this process (no system call), a pause from the time its port's program
+        computed as the frame arrived; the kernel's own (a kernel drop, RED's marks)
+        from one rtnetlink dump every KERNEL_EVERY_S."""
         t = time.time()
         if self.table is None or t - self._kernel_t >= KERNEL_EVERY_S:
             self._kernel, self._kernel_t = self._dump(nl, t), t
@@ -122,13 +126,15 @@ class QueueTelemetry:
             return {k: dataclasses.replace(q, ce_marked=q.ce_marked + controller.get(k, 0))
                     for k, q in self._kernel.items()}
         out = {}
+        now_ns = time.monotonic_ns()     # the programs' clock (bpf_ktime_get_ns)
         for key, k in self._kernel.items():     # the queues the kernel has: its gates
             if key not in self._queue_at:
                 port, _, prio = key.rpartition(":")
                 self._queue_at[key] = (self._slot[port], int(prio))
-            backlog, packets, sent, drops, ce = self.table.queue(*self._queue_at[key])
+            backlog, packets, sent, drops, ce, paused_until = self.table.queue(
+                *self._queue_at[key])
             out[key] = QueueSample(t, backlog, packets, sent, drops + k.drops,
-                                   ce + k.ce_marked, k.paused)
+                                   ce + k.ce_marked, paused_until > now_ns)
         return out
 
     def _dump(self, nl: tcnl.Netlink, t: float) -> dict[str, QueueSample]:

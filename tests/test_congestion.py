@@ -149,6 +149,9 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         time.sleep(0.2)
         gate = _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)
         top = fabriclab("top", "--count", "1", "--interval", "0.3")
+        queue = f"{g1.switch}:{g1.port}:{PRIORITY_ROCE_DATA}"
+        # telemetry's view (with the data path: the port program's pause time)
+        paused_seen = QueueTelemetry(net.fabric, None).snapshot()[queue].paused
         state = read_state(net)
         net.mininet["g1"].cmd(send + pause.pfc_frame(g1.mac, {PRIORITY_ROCE_DATA: 0}).hex())
         deadline = time.monotonic() + 2
@@ -159,6 +162,7 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         held.wait()
         time.sleep(0.2)
         after = read_state(net)
+        paused_after = QueueTelemetry(net.fabric, None).snapshot()[queue].paused
         flows = subprocess.run(["ovs-ofctl", "-O", "OpenFlow15", "dump-flows", g1.switch,
                                 f"dl_type=0x{MAC_CONTROL_ETHERTYPE:04x}"],
                                capture_output=True, text=True, check=True).stdout
@@ -175,7 +179,8 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
     assert gate.qlen >= 3 and gate.drops == 0 and gate.packets - warm.packets <= 2  # held
     # ...and sent on after the resume, none lost
     assert released.packets - gate.packets >= gate.qlen and released.drops == 0
-    assert f"{g1.switch}:{g1.port}:{PRIORITY_ROCE_DATA}" in top.stdout and "PAUSED" in top.stdout
+    assert queue in top.stdout and "PAUSED" in top.stdout
+    assert paused_seen and not paused_after
     wd = state["watchdog"]
     assert wd and wd[0]["device"] == g1.switch and wd[0]["port"] == g1.port
     counters = after["counters"][f"{g1.switch}:{g1.port}"][str(PRIORITY_ROCE_DATA)]

@@ -132,6 +132,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
         # the buffer, then drains once the sender stops
         pair.send_udp(600, 0.0004, DSCP_ROCE_DATA << 2 | 0b10)          # ECT(0)
         # a PFC frame arriving at B: its port must stop priority 3 (an event at once)
+        t.set_link(1, 10)       # B's link: 10 Mb/s, a pause quantum 51.2 us
         frame = pause.pfc_frame("02:fc:00:00:00:01", {PRIORITY_ROCE_DATA: 0xFFFF})
         sh(f"ip netns exec {NS_A} python3 -c \"import socket; s=socket.socket("
            f"socket.AF_PACKET, socket.SOCK_RAW); s.bind(('{INTF_A}', 0)); "
@@ -167,6 +168,8 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     [rx] = [e for e in events if e["kind"] == dataplane.EV_PAUSE_RX]
     assert rx["slot"] == 1 and rx["value"] == 1 << PRIORITY_ROCE_DATA
     assert rx["quanta"][PRIORITY_ROCE_DATA] == 0xFFFF
+    # ...and held as its MAC would: paused for 0xFFFF quanta from its arrival
+    assert b["paused_until_ns"] == rx["t_ns"] + 0xFFFF * 51200
     assert c["pfc_tx_pause"] == 1 and b["pfc_rx_pause"] == 1 and c["pfc_rx_pause"] == 0
 
 

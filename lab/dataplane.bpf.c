@@ -245,15 +245,24 @@ static __always_inline int mac_control(struct __sk_buff *skb, struct mac_control
 	return mc->opcode == bpf_htons(OPCODE_PFC);
 }
 
-static __always_inline void count_mac_control(struct port *p, struct mac_control *mc, int tx)
+/* Counts a PFC frame per priority; one received (now: its arrival) also holds each
+ * paused priority until its time runs out, as the MAC sees it (0 on a resume). One
+ * loop for both: a second loop with branches multiplies the verifier's paths (it took
+ * 0.1 s per program load, 2.4 s per fabric). */
+static __always_inline void count_mac_control(struct port *p, struct mac_control *mc, int tx,
+					      __u64 now)
 {
 	__u16 enable = bpf_ntohs(mc->enable);
 	int i;
 
 	for (i = 0; i < PRIOS; i++) {
+		__u64 t = bpf_ntohs(mc->time[i]);
+
 		if (!(enable >> i & 1))
 			continue;
-		if (mc->time[i])
+		if (!tx)
+			p->q[i].paused_until_ns = t ? now + t * p->quantum_ns : 0;
+		if (t)
 			__sync_fetch_and_add(tx ? &p->q[i].pfc_tx_pause : &p->q[i].pfc_rx_pause, 1);
 		else
 			__sync_fetch_and_add(tx ? &p->q[i].pfc_tx_resume : &p->q[i].pfc_rx_resume, 1);
@@ -276,7 +285,7 @@ int port_egress(struct __sk_buff *skb)
 
 		/* the switch's own PFC frames: counted, never queued (sent htb-direct) */
 		if (mac_control(skb, &mc))
-			count_mac_control(p, &mc, 1);
+			count_mac_control(p, &mc, 1, 0);
 		return TC_ACT_OK;
 	}
 	prio = classify(skb, p, &ip);
@@ -325,13 +334,9 @@ int port_ingress(struct __sk_buff *skb)
 
 		if (!p || !mac_control(skb, &mc))
 			return TC_ACT_OK;
-		count_mac_control(p, &mc, 0);
-		enable = bpf_ntohs(mc.enable);
 		now = bpf_ktime_get_ns();
-		for (i = 0; i < PRIOS; i++)     /* the MAC's view: paused until when */
-			if (enable >> i & 1)
-				p->q[i].paused_until_ns = mc.time[i] ?
-					now + (__u64)bpf_ntohs(mc.time[i]) * p->quantum_ns : 0;
+		count_mac_control(p, &mc, 0, now);
+		enable = bpf_ntohs(mc.enable);
 		/* user space closes a gate only for the priorities no NIC here honours */
 		for (i = 0; i < PRIOS; i++)
 			if (p->cfg[i].nic_honours)

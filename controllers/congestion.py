@@ -8,14 +8,18 @@ ECN, mode "bpf". The port's program marks CE per packet with RED's probability
 of the average backlog; the app only writes Kmin, Kmax, Pmax and RED's weight.
 Counts come from the program (a marked frame is a frame that was sent).
 
-PFC. The program signals XOFF the moment a lossless priority's backlog passes
-its threshold, and XON when it falls below the resume threshold. The app sends a
-real 802.1Qbb frame out of every other port of that switch, on the wire
-(htb-direct: a MAC control frame waits behind no queue). The neighbour's ingress
-program sees the frame arrive and signals it; the app then closes that port's
-gate (a switch port, or a GPU host's NIC), as the neighbour's MAC would. No
-packet-in path, no sampling: the reaction is two wake-ups of this thread
-(state["reaction"] holds its distribution). A GPU host whose agent's transport
+PFC, per ingress port. The program charges each lossless frame queued on a
+switch to the port it entered through and signals XOFF for that ingress the
+moment its bytes pass its threshold (a dynamic one: alpha x the free buffer of
+the queue, above the headroom this app sizes for every port feeding it:
+2 x (link delay + response) x rate + 2 MTU, the response being `pfc_response_ms`),
+and XON when they fall below the resume threshold. The app sends one real
+802.1Qbb frame out of that ingress port, on the wire (htb-direct: a MAC control
+frame waits behind no queue). The neighbour's ingress program sees the frame
+arrive and signals it; the app then closes that port's gate (a switch port, or a
+GPU host's NIC), as the neighbour's MAC would. No packet-in path, no sampling:
+the reaction is two wake-ups of this thread (state["reaction"] holds its
+distribution). A GPU host whose agent's transport
 runs (lab/gpus.py marks it in the table) stops the priority in that transport
 itself, as a NIC's MAC does: its program signals nothing and no gate closes.
 
@@ -174,7 +178,9 @@ class CongestionControl(app_manager.OSKenApp):
         self.slots = dataplane.slots(self.fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
         self.reaction = {"signal": GapHistogram(), "pause": GapHistogram()}
-        self.pausing: dict[tuple[str, int], tuple[float, set]] = {}   # XOFF -> gates to close
+        # XOFF (switch, port, prio) -> when, and the gates still to close
+        self.pausing: dict[tuple[str, int, int], tuple[float, set]] = {}
+        self.headroom: dict[tuple[str, int], dict] = {}   # egress port -> needed, kept
         self.excess: dict[tuple[int, int], int] = {}    # slot, prio -> at the last reconcile
         if self.config_file:
             self.event_log = open(self.config_file.with_name(EVENTS_FILE), "a")
@@ -341,7 +347,9 @@ class CongestionControl(app_manager.OSKenApp):
             self.xoff_sent[key] = now
 
     def send_pfc(self, congested: Port, prio: int, quanta: int) -> None:
-        """A PFC frame for `prio` out of every port that can feed `congested`."""
+        """A PFC frame for `prio` to what fills `congested`'s accounting: with the data
+        path, the port's own neighbour (accounting per ingress port); sampled, every
+        neighbour that can feed the port's queue."""
         if self.config.dataplane:
             self.send_pfc_on_wire(congested, prio, quanta)
             return
@@ -389,6 +397,8 @@ class CongestionControl(app_manager.OSKenApp):
     def apply_dataplane(self, c: CongestionConfig, lossless: dict[int, tuple[int, int]]) -> None:
         """ECN marking and the PFC thresholds of every switch port, into the table."""
         mask = 1 << PRIORITY_ROCE_DATA if c.ecn == "bpf" else 0
+        q = queue_params(c)
+        self.headroom = {}
         for key, port in self.ports.items():
             slot = self.slot_of[key]
             packet_ns = int(queues.AVERAGE_PACKET_BYTES * 8e3 / port.rate_mbps)
@@ -396,9 +406,29 @@ class CongestionControl(app_manager.OSKenApp):
                                packet_ns)
             for prio in range(8):
                 xoff, xon = lossless.get(prio, (0, 0))
-                self.table.set_pfc(slot, prio, xoff, xon)
+                headroom = self.headroom_bytes(port, prio, q.buffer_bytes(prio), c) \
+                    if xoff else 0
+                self.table.set_pfc(slot, prio, xoff, xon, headroom, c.pfc_alpha)
                 if not xoff:
                     self.table.clear_xoff(slot, prio)
+
+    def headroom_bytes(self, port: Port, prio: int, limit: int, c: CongestionConfig) -> int:
+        """What `port`'s queue keeps for the frames its feeders send after being told
+        to pause: per feeding port, 2 x (link delay + response) x its rate + 2 MTU (the
+        links have no delay here). When the buffer cannot hold it all, two frames'
+        worth is left shared, and the shortfall is said: PFC may lose frames there."""
+        needed = sum(queues.pfc_headroom_bytes(self.ports[(port.device, f)].rate_mbps,
+                                               c.pfc_response_ms) for f in port.feeders)
+        kept = min(needed, max(0, limit - 2 * queues.MAX_FRAME_BYTES))
+        self.headroom[(port.device, port.port)] = {"priority": prio, "needed_bytes": needed,
+                                                   "kept_bytes": kept, "limit_bytes": limit}
+        if kept < needed:
+            self.logger.warning("PFC headroom short on %s port %d priority %d: its %d "
+                                "feeding ports need %.1f KB (response %.2f ms), the buffer "
+                                "holds %.1f KB: frames may be lost there", port.device,
+                                port.port, prio, len(port.feeders), needed / 1024,
+                                c.pfc_response_ms, limit / 1024)
+        return kept
 
     def signals(self):
         """What the port programs signal (XOFF, XON, a pause frame arrived), handled
@@ -437,20 +467,22 @@ class CongestionControl(app_manager.OSKenApp):
                 else:
                     self.open_gate(port, prio, now)
             return
+        # XOFF / XON for what arrives on this switch port (an ingress), decided as a
+        # frame entered or left one of the switch's queues (`queue`)
         port, prio = self.ports[(s.node, s.port)], e["prio"]
         key = (port.device, port.port, prio)
+        queue = self.slots[e["queue"]].port if e["queue"] < len(self.slots) else None
         if e["kind"] == dataplane.EV_XOFF:
-            upstream = {self.ports[(port.device, f)].peer for f in port.feeders}
-            gated = {u for u in upstream if not self.table.nic_honours(self.slot_of[u], prio)}
-            if gated:       # (a GPU agent's transport stops by itself: no gate to wait for)
-                self.pausing[(port.device, prio)] = (seen, gated)
+            # (a GPU agent's transport stops by itself: no gate to wait for)
+            if not self.table.nic_honours(self.slot_of[port.peer], prio):
+                self.pausing[key] = (seen, {port.peer})
             self.send_pfc(port, prio, self.config.pause_quanta)
             self.xoff_sent[key] = now
-            self.event("xoff", port, prio=prio, backlog=e["value"], t=seen)
+            self.event("xoff", port, prio=prio, held=e["value"], queue=queue, t=seen)
         elif e["kind"] == dataplane.EV_XON and key in self.xoff_sent:
             self.send_pfc(port, prio, 0)
             del self.xoff_sent[key]
-            self.event("xon", port, prio=prio, backlog=e["value"], t=seen)
+            self.event("xon", port, prio=prio, held=e["value"], queue=queue, t=seen)
 
     def reconcile(self, nl: tcnl.Netlink) -> None:
         """Each switch queue's backlog as the data path counts it, against the kernel's:
@@ -489,23 +521,45 @@ class CongestionControl(app_manager.OSKenApp):
                 self.excess[(slot, prio)] = excess - gone
                 self.count(port, prio).written_off_bytes += gone
                 self.event("written_off", port, prio=prio, bytes=gone)
-                xkey = (port.device, port.port, prio)
-                if xkey in self.xoff_sent and \
-                        self.table.backlog_bytes(slot, prio) <= lossless.get(prio, (0, 0))[1]:
+        for prio in lossless:
+            self.reconcile_held(prio, arrived)
+
+    def reconcile_held(self, prio: int, arrived: dict[tuple[int, int], int]) -> None:
+        """What a switch's ingress ports hold waits in its queues: with every queue of
+        the switch empty (and nothing queued since `arrived` was read), what they still
+        hold left unseen (a frame charged twice, a queue flushed) and is written off;
+        an XOFF it was holding up is resumed."""
+        by_switch: dict[str, list[int]] = {}
+        for (sw, _), slot in ((k, self.slot_of[k]) for k in self.ports):
+            by_switch.setdefault(sw, []).append(slot)
+        for sw, slots in by_switch.items():
+            stale = {slot: self.table.held_bytes(slot, prio) for slot in slots}
+            if not any(stale.values()) or any(
+                    self.table.backlog_bytes(slot, prio) for slot in slots) or any(
+                    self.table.in_bytes(slot, prio) != arrived[(slot, prio)] for slot in slots):
+                continue
+            for slot, held in stale.items():
+                if not held:
+                    continue
+                self.table.write_off_held(slot, prio, held)
+                port = self.ports[(sw, self.slots[slot].port)]
+                self.count(port, prio).written_off_bytes += held
+                self.event("held_written_off", port, prio=prio, bytes=held)
+                key = (sw, port.port, prio)
+                if key in self.xoff_sent:
                     self.table.clear_xoff(slot, prio)
                     self.send_pfc(port, prio, 0)
-                    del self.xoff_sent[xkey]
-                    self.event("xon", port, prio=prio, backlog=self.table.backlog_bytes(slot,
-                                                                                         prio))
+                    del self.xoff_sent[key]
+                    self.event("xon", port, prio=prio, held=0)
 
     def gate_closed_for(self, s: dataplane.Slot, prio: int, t: float) -> None:
-        """The reaction: from the queue passing XOFF to the last upstream gate closed."""
-        for (sw, p), (since, waiting) in list(self.pausing.items()):
-            if p == prio and (s.node, s.port) in waiting:
+        """The reaction: from an ingress passing XOFF to the upstream gate closed."""
+        for key, (since, waiting) in list(self.pausing.items()):
+            if key[2] == prio and (s.node, s.port) in waiting:
                 waiting.discard((s.node, s.port))
                 if not waiting:
                     self.reaction["pause"].add(t - since)
-                    del self.pausing[(sw, p)]
+                    del self.pausing[key]
 
     def link_rate(self, s: dataplane.Slot) -> float:
         ln = next(ln for ln in self.fabric.links if (ln.a, ln.a_port) == (s.node, s.port)
@@ -521,20 +575,17 @@ class CongestionControl(app_manager.OSKenApp):
                 self.send_pfc(port, prio, c.pause_quanta)
                 self.xoff_sent[(sw, p, prio)] = now
 
-    def send_pfc_on_wire(self, congested: Port, prio: int, quanta: int) -> None:
-        """The frame out of each feeding port's veth, where the neighbour's MAC (its
+    def send_pfc_on_wire(self, out: Port, prio: int, quanta: int) -> None:
+        """The frame out of the ingress port's veth, where the neighbour's MAC (its
         ingress program) takes it in; counted by this port's egress program."""
-        for f in congested.feeders:
-            out = self.ports[(congested.device, f)]
-            if out.pfc_sock is None:
-                out.pfc_sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-                out.pfc_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY,
-                                        HTB_DIRECT_PRIORITY)
-                out.pfc_sock.bind((out.intf, 0))
-            try:
-                out.pfc_sock.send(pause.pfc_frame(pause.port_mac(congested.dpid, f), {prio: quanta}))
-            except OSError as e:    # a link down: nothing upstream to pause
-                self.logger.debug("PFC frame out of %s: %s", out.intf, e)
+        if out.pfc_sock is None:
+            out.pfc_sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+            out.pfc_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, HTB_DIRECT_PRIORITY)
+            out.pfc_sock.bind((out.intf, 0))
+        try:
+            out.pfc_sock.send(pause.pfc_frame(pause.port_mac(out.dpid, out.port), {prio: quanta}))
+        except OSError as e:    # a link down: nothing upstream to pause
+            self.logger.debug("PFC frame out of %s: %s", out.intf, e)
 
     def dataplane_counters(self) -> dict[tuple[str, int, int], dict]:
         """The programs' counts of PFC frames and CE marks, per port and priority."""
@@ -761,6 +812,7 @@ class CongestionControl(app_manager.OSKenApp):
                 "gates_closed": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.gates),
                 "xoff": sorted(f"{sw}:{p}:{prio}" for sw, p, prio in self.xoff_sent),
                 "watchdog": self.watchdog, "sampling": self.sampling(),
+                "headroom": {f"{sw}:{p}": h for (sw, p), h in self.headroom.items()},
                 "reaction": {"signal": self.reaction["signal"].summary(),
                              "pause": self.reaction["pause"].summary()}}
 

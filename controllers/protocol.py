@@ -36,6 +36,8 @@ class CongestionConfig:
     pfc: bool = False
     lossless: dict = field(default_factory=dict)     # priority (str) -> [xoff, xon] bytes
     pause_quanta: int = 0xFFFF
+    pfc_response_ms: float = 1.0     # the data path's PFC headroom is sized for this
+    pfc_alpha: float = 1.0           # its dynamic threshold: alpha x the free buffer
     sample_ms: float = 2.0           # the sampling period where the app samples the queues
     watchdog_ms: float = 500.0
     queue: dict = field(default_factory=dict)        # lab/queues.py QueueParams, as a dict

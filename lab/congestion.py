@@ -10,14 +10,22 @@ applied it. `read_state(net)` returns the controller's counters.
 
 Thresholds are in bytes of the emulated queues; the defaults suit the default
 64 KB RoCE buffer. ECN marks from Kmin 2 KB to Kmax 16 KB with Pmax 0.2 (HPCC's
-DCQCN setting), so DCQCN holds the queue at a few frames. XOFF at 8 KB leaves
-56 KB of headroom: what arrives between the queue crossing XOFF and the pause
-taking hold. In this emulation that is the controller's sampling (1 ms; p99 of
-the gaps 2 ms, the longest 4-7 ms in the 8-to-1 incast) plus the frame's trip:
-there 8 senders resuming together filled 40-58 KB before the pause held, so XOFF
-at 14 KB overflowed now and then and 8 KB did not. (A sampling gap of 21 ms
-overflowed it too, in 2 runs of 3, until the controller stopped writing its
-state files from the sampling thread.)
+DCQCN setting), so DCQCN holds the queue at a few frames.
+
+PFC, where the BPF data path runs, is accounted per ingress port as shared-buffer
+switches do (lab/dataplane.bpf.c): each queue keeps headroom for every port that
+feeds it, 2 x (link delay + response) x rate + 2 MTU each, and an ingress port
+pauses when the bytes it sent into the switch pass alpha (`pfc_alpha`) x the free
+part of the queue above that headroom, or `xoff_kb` if less; it resumes at the same
+ratio of `xon_kb`. The response is the lab's own: from the frame that crosses the
+threshold to the upstream sender stopping (the program's signal, the controller's
+wake-up, the pause frame, the sender's transport or gate). Measured on 2 cores
+(bench/reaction.py, the incast): p99 0.6 ms, p99.9 under 1.5 ms, so
+`pfc_response_ms` is 1 ms on the reference machine, stretched on a slower one as
+the sampling period is. Without the data path (the controller samples the queues,
+1 ms) XOFF and XON apply to each queue's backlog and a pause goes to every port
+that feeds it: 56 KB above XOFF at 8 KB held what 8 senders resuming together
+sent before the pause held (40-58 KB), and 14 KB overflowed now and then.
 
 PFC protects the priorities listed in `lossless` ("3": RoCE data), each with its own
 XOFF/XON: "3,0:12/6" makes priority 0 lossless too, pausing at 12 KB and resuming at
@@ -44,6 +52,9 @@ ECN_MODES = ("auto", "red", "bpf", "controller", "off")
 # flows): sampling every 1 ms left a sender 33% off the fair share, every 10 ms 7% and
 # 12% (2 runs), as the incast does at full rate and 1 ms.
 REFERENCE_SAMPLE_MS = 1.0
+# The PFC response the data path's headroom is sized for on the reference machine
+# (the module's docstring says what was measured); stretched on a slower one.
+REFERENCE_RESPONSE_MS = 1.0
 
 
 @dataclass
@@ -57,6 +68,8 @@ class CongestionParams:
     xon_kb: float = 4.0
     lossless: str = str(PRIORITY_ROCE_DATA)   # PFC priorities: "PRIO[:XOFF_KB/XON_KB],..."
     pause_quanta: int = 0xFFFF
+    pfc_response_ms: float = 0.0    # the headroom's response time; 0: the machine's default
+    pfc_alpha: float = 1.0      # per-ingress dynamic threshold: alpha x the free buffer
     sample_ms: float = 0.0      # how often the controller reads the queues; 0: auto,
     # REFERENCE_SAMPLE_MS stretched on a machine slower than the reference (see it above)
     watchdog_ms: float = 500.0  # report a queue paused longer than this
@@ -92,9 +105,16 @@ class CongestionParams:
                                  f"({buffer_kb:g} KB); got xon_kb={xon}, xoff_kb={xoff}")
         if self.sample_ms < 0:
             raise UsageError("sample_ms must be positive (or 0: the machine's default)")
+        if self.pfc_response_ms < 0:
+            raise UsageError("pfc_response_ms must be positive (or 0: the machine's default)")
+        if not 0 < self.pfc_alpha <= 64:
+            raise UsageError(f"pfc_alpha must be in (0, 64], got {self.pfc_alpha}")
 
     def sample_period_ms(self, machine_factor: float) -> float:
         return self.sample_ms or REFERENCE_SAMPLE_MS / machine_factor
+
+    def response_ms(self, machine_factor: float) -> float:
+        return self.pfc_response_ms or REFERENCE_RESPONSE_MS / machine_factor
 
     def red(self) -> queues.RedParams:
         return queues.RedParams(self.kmin_kb, self.kmax_kb, self.pmax)
@@ -145,6 +165,7 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
         lossless={str(prio): [int(xoff * 1024), int(xon * 1024)]
                   for prio, (xoff, xon) in params.thresholds_kb().items()},
         pause_quanta=params.pause_quanta, sample_ms=params.sample_period_ms(net.machine_factor),
+        pfc_response_ms=params.response_ms(net.machine_factor), pfc_alpha=params.pfc_alpha,
         watchdog_ms=params.watchdog_ms, queue=dataclasses.asdict(net.queue_params),
         host_pids={h.name: net.host_pid(h.name) for h in net.fabric.hosts},
         dataplane=net.dataplane is not None).write(net.controller.workdir)

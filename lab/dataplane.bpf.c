@@ -7,13 +7,27 @@
  *            by DSCP as the port's u32 filters do, drops it when its priority's
  *            buffer is full (so every drop is counted here, and a frame counted
  *            as marked is a frame that is sent), marks CE with RED's probability
- *            of the average backlog, and signals XOFF the moment a lossless
- *            priority's backlog passes its threshold.
+ *            of the average backlog, and charges a lossless frame to the port it
+ *            entered the switch through: XOFF for that ingress port the moment
+ *            its bytes waiting in the switch pass its threshold.
  *   ingress  on every link end: the frames the peer's queues sent (departures:
- *            the peer's backlog falls, XON when it passes below the resume
- *            threshold), and the PFC / PAUSE frames the peer's MAC sent (this
- *            port must stop: signalled at once to user space, which closes the
- *            port's gate).
+ *            the peer's backlog falls, and so do the bytes charged to the port
+ *            the frame entered the peer through: XON when they pass below the
+ *            resume threshold), the frames entering this switch (remembered
+ *            with this port as their ingress), and the PFC / PAUSE frames the
+ *            peer's MAC sent (this port must stop: signalled at once to user
+ *            space, which closes the port's gate).
+ *
+ * PFC as shared-buffer switches account it: per (ingress port, priority), with a
+ * dynamic threshold (Choudhury and Hahne): an ingress pauses when its bytes pass
+ * alpha x the free part of the queue they wait in, where the free part leaves out
+ * the queue's headroom (what every port feeding the queue may still send between
+ * its pause being decided and taking hold; user space sizes it), and at most at
+ * the priority's static XOFF. The frame's ingress crosses OVS's user space, which
+ * keeps no metadata: the ingress program records it in the `origins` hash, keyed
+ * by what OVS does not rewrite (addresses, IP id and length, the first bytes of
+ * L4: ports, and for RoCE its BTH with QP and PSN); the egress program looks the
+ * frame up when it is queued, the peer's ingress when it leaves.
  * A queue's backlog is what entered it minus what left it (both counted per
  * packet), not a sample. What leaves unseen (a queue flushed when its link goes
  * down) user space finds against the kernel's own backlog and writes off
@@ -37,14 +51,17 @@
 #define EV_XOFF 1
 #define EV_XON 2
 #define EV_PAUSE_RX 3
+#define ORIGIN_L4_BYTES 20      /* UDP + RoCE's BTH (opcode, QP, PSN); TCP's header */
 
 /* lab/dataplane.py declares the same layouts (PORT, EVENT): change both together */
 struct prio_cfg {
 	__u32 limit_bytes;      /* the priority's buffer; a frame that does not fit is dropped */
-	__u32 xoff_bytes;       /* 0: not lossless */
+	__u32 xoff_bytes;       /* 0: not lossless; else the most an ingress may hold */
 	__u32 xon_bytes;
 	__u32 nic_honours;      /* 1: the NIC at this link end (a GPU agent's transport)
 				 * stops this priority itself when a pause arrives: no gate */
+	__u32 headroom_bytes;   /* of limit_bytes, kept for what arrives after pauses */
+	__u32 alpha_q8;         /* the dynamic threshold's alpha x 256 */
 };
 
 struct prio_state {
@@ -68,7 +85,11 @@ struct prio_state {
 	__u64 red_r;            /* RED: marks/packets threshold drawn at the last mark */
 	__u64 out_adjust;       /* bytes user space found gone without being seen leaving */
 	__u64 paused_until_ns;  /* a pause frame received holds this priority until then */
-	__u32 xoff;             /* 1 while XOFF is signalled */
+	__u64 held_in_bytes;    /* as an ingress: bytes that entered the switch here, queued */
+	__u64 held_out_bytes;   /* ...and left their queue */
+	__u64 held_adjust;      /* bytes user space found charged to this port and gone */
+	__u64 unattributed;     /* lossless frames queued here whose ingress is unknown */
+	__u32 xoff;             /* 1 while XOFF is signalled for this port as an ingress */
 	__s32 red_count;        /* RED: packets since the last mark (-1: outside Kmin..Kmax) */
 };
 
@@ -91,16 +112,39 @@ struct event {
 	__u32 kind;
 	__u32 slot;
 	__u32 prio;
-	__u32 value;            /* backlog (XOFF/XON), or the class-enable vector (PAUSE_RX) */
+	__u32 value;            /* the ingress's bytes held (XOFF/XON), or the class-enable
+				 * vector (PAUSE_RX) */
 	__u16 quanta[PRIOS];    /* PAUSE_RX: pause time per priority */
+	__u32 queue;            /* XOFF/XON: the queue (slot) the deciding frame entered or left */
+	__u32 pad;
 };
 
-_Static_assert(sizeof(struct port) == 1568, "lab/dataplane.py's PORT_BYTES");
-_Static_assert(sizeof(struct event) == 40, "lab/dataplane.py's EVENT");
+/* A frame on its way through the fabric, by what OVS leaves as it is */
+struct origin_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 id;
+	__u16 tot_len;
+	__u32 protocol;
+	__u8 l4[ORIGIN_L4_BYTES];
+};
+
+struct origin {
+	__u32 ingress;          /* the port it entered its current switch through */
+	__u32 queue;            /* the queue it is charged to (NO_SLOT: none yet) */
+	__u32 len;
+	__u32 prio;
+};
+
+_Static_assert(sizeof(struct port) == 1888, "lab/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct event) == 48, "lab/dataplane.py's EVENT");
+_Static_assert(sizeof(struct origin_key) == 36, "lab/dataplane.py's ORIGIN_KEY_BYTES");
+_Static_assert(sizeof(struct origin) == 16, "lab/dataplane.py's ORIGIN_BYTES");
 
 /* The maps: the loader creates them (no BTF needed) and binds these symbols. */
 char ports[4] SEC("maps");
 char events[4] SEC("maps");
+char origins[4] SEC("maps");    /* LRU hash: origin_key -> origin */
 
 volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
 volatile const __u32 peer_slot = NO_SLOT;   /* the port at the other end (ingress) */
@@ -139,7 +183,8 @@ static __always_inline __u64 backlog_of(struct prio_state *q)
 	return in > out ? in - out : 0;
 }
 
-static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 value)
+static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 value,
+				   __u32 queue)
 {
 	struct event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 
@@ -151,7 +196,52 @@ static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 val
 	e->slot = slot;
 	e->prio = prio;
 	e->value = value;
+	e->queue = queue;
 	bpf_ringbuf_submit(e, 0);
+}
+
+static __always_inline __u64 held_of(struct prio_state *q)
+{
+	__u64 in = q->held_in_bytes, out = q->held_out_bytes + q->held_adjust;
+
+	return in > out ? in - out : 0;
+}
+
+/* What an ingress may hold in queue c (whose backlog is given) before it must pause:
+ * alpha x the queue's free shared part, at most the static XOFF. */
+static __always_inline __u64 xoff_threshold(struct prio_cfg *c, __u64 backlog)
+{
+	__u64 shared = c->limit_bytes > c->headroom_bytes ? c->limit_bytes - c->headroom_bytes : 0;
+	__u64 dynamic = shared > backlog ? (shared - backlog) * c->alpha_q8 >> 8 : 0;
+
+	return dynamic < c->xoff_bytes ? dynamic : c->xoff_bytes;
+}
+
+/* ...and below which it may resume: the same ratio of XON to XOFF. Zero held always
+ * resumes (nothing of the port's waits: nothing else would wake it). */
+static __always_inline __u64 xon_threshold(struct prio_cfg *c, __u64 backlog)
+{
+	return xoff_threshold(c, backlog) * c->xon_bytes / (c->xoff_bytes ? c->xoff_bytes : 1);
+}
+
+/* The frame's key in `origins` (IPv4: the caller checked). Read with loads, not
+ * through packet pointers: marking CE rewrote the packet, which voids them. */
+static __always_inline int origin_key(struct __sk_buff *skb, struct origin_key *k)
+{
+	struct iphdr ip;
+
+	__builtin_memset(k, 0, sizeof(*k));
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+		return 0;
+	k->saddr = ip.saddr;
+	k->daddr = ip.daddr;
+	k->id = ip.id;
+	k->tot_len = ip.tot_len;
+	k->protocol = ip.protocol;
+	/* a short L4 part (an 8-byte UDP header and little data) keys on what there is */
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + ip.ihl * 4, k->l4, ORIGIN_L4_BYTES) < 0)
+		bpf_skb_load_bytes(skb, ETH_HLEN + ip.ihl * 4, k->l4, 8);
+	return 1;
 }
 
 /* RED's average, updated per arrival as sch_red does: avg += (q - avg) * 2^-wlog,
@@ -269,6 +359,85 @@ static __always_inline void count_mac_control(struct port *p, struct mac_control
 	}
 }
 
+/* A lossless frame just queued on this port (p, its priority's state q): charged to
+ * the port it entered the switch through, which pauses if it now holds too much. */
+static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p,
+					   struct prio_state *q, int prio, __u64 backlog,
+					   __u64 len)
+{
+	struct origin_key k;
+	struct origin *o;
+	struct port *in;
+	struct prio_state *h;
+	__u64 held;
+
+	if (!origin_key(skb, &k))
+		return;
+	o = bpf_map_lookup_elem(&origins, &k);
+	/* unknown (sent by the switch itself, or forgotten by the LRU), or an identical
+	 * frame already charged (a copy in flight): the ingress holds it uncounted */
+	if (!o || o->queue != NO_SLOT || !(in = port_at(o->ingress))) {
+		__sync_fetch_and_add(&q->unattributed, 1);
+		return;
+	}
+	o->queue = port_slot;
+	o->len = len;
+	o->prio = prio;
+	h = &in->q[prio];
+	__sync_fetch_and_add(&h->held_in_bytes, len);
+	held = held_of(h);
+	if (held >= xoff_threshold(&p->cfg[prio], backlog)
+	    && __sync_val_compare_and_swap(&h->xoff, 0, 1) == 0) {
+		__sync_fetch_and_add(&h->xoff_signals, 1);
+		notify(EV_XOFF, o->ingress, prio, held, port_slot);
+	}
+}
+
+/* An IPv4 frame arrived on this link end. It left the peer's queue:
+ * if it was charged there, its ingress on the peer's switch holds less (and may
+ * resume). On a switch it has entered through this port: remembered. */
+static __always_inline void follow_origin(struct __sk_buff *skb, struct port *peer,
+					  struct port *own)
+{
+	struct origin_key k;
+	struct origin *o;
+
+	if (!origin_key(skb, &k))
+		return;
+	o = bpf_map_lookup_elem(&origins, &k);
+	if (o && o->queue == peer_slot && peer) {
+		struct port *in = port_at(o->ingress);
+		int prio = o->prio & (PRIOS - 1);
+
+		if (in) {
+			struct prio_state *h = &in->q[prio];
+			__u64 held, backlog = backlog_of(&peer->q[prio]);
+
+			__sync_fetch_and_add(&h->held_out_bytes, o->len);
+			held = held_of(h);
+			if (h->xoff && held <= xon_threshold(&peer->cfg[prio], backlog)
+			    && __sync_val_compare_and_swap(&h->xoff, 1, 0) == 1) {
+				__sync_fetch_and_add(&h->xon_signals, 1);
+				notify(EV_XON, o->ingress, prio, held, peer_slot);
+			}
+		}
+		o->queue = NO_SLOT;
+	}
+	if (!switch_port) {         /* delivered to a host: its journey ends */
+		if (o)
+			bpf_map_delete_elem(&origins, &k);
+		return;
+	}
+	if (o) {
+		o->ingress = port_slot;
+		o->queue = NO_SLOT;
+	} else {
+		struct origin fresh = {.ingress = port_slot, .queue = NO_SLOT};
+
+		bpf_map_update_elem(&origins, &k, &fresh, BPF_ANY);
+	}
+}
+
 SEC("tc/egress")
 int port_egress(struct __sk_buff *skb)
 {
@@ -306,12 +475,8 @@ int port_egress(struct __sk_buff *skb)
 	}
 	__sync_fetch_and_add(&q->in_bytes, len);
 	__sync_fetch_and_add(&q->in_packets, 1);
-	backlog += len;
-	if (p->cfg[prio & (PRIOS - 1)].xoff_bytes && backlog >= p->cfg[prio & (PRIOS - 1)].xoff_bytes
-	    && __sync_val_compare_and_swap(&q->xoff, 0, 1) == 0) {
-		__sync_fetch_and_add(&q->xoff_signals, 1);
-		notify(EV_XOFF, port_slot, prio, backlog);
-	}
+	if (ip && p->cfg[prio & (PRIOS - 1)].xoff_bytes)
+		charge_ingress(skb, p, q, prio & (PRIOS - 1), backlog + len, len);
 	return TC_ACT_OK;
 }
 
@@ -321,7 +486,6 @@ int port_ingress(struct __sk_buff *skb)
 	struct port *peer = port_at(peer_slot), *own;
 	struct prio_state *q;
 	struct iphdr *ip;
-	__u64 backlog;
 	int prio;
 
 	if (skb->protocol == bpf_htons(MAC_CONTROL)) {
@@ -360,25 +524,24 @@ int port_ingress(struct __sk_buff *skb)
 		return switch_port ? TC_ACT_SHOT : TC_ACT_OK;
 	}
 	own = port_at(port_slot);
-	if (own) {     /* what enters the switch: frames lost inside it show against this */
-		q = &own->q[classify(skb, own, &ip) & (PRIOS - 1)];
-		__sync_fetch_and_add(&q->rx_packets, 1);
-		__sync_fetch_and_add(&q->rx_bytes, skb->len);
-	}
-	if (!peer)
+	if (!own)
 		return TC_ACT_OK;
-	prio = classify(skb, peer, &ip);
-	q = &peer->q[prio & (PRIOS - 1)];
-	__sync_fetch_and_add(&q->out_bytes, skb->len);
-	__sync_fetch_and_add(&q->out_packets, 1);
-	backlog = backlog_of(q);
-	if (backlog == 0)
-		q->idle_since_ns = bpf_ktime_get_ns();
-	if (q->xoff && backlog <= peer->cfg[prio & (PRIOS - 1)].xon_bytes
-	    && __sync_val_compare_and_swap(&q->xoff, 1, 0) == 1) {
-		__sync_fetch_and_add(&q->xon_signals, 1);
-		notify(EV_XON, peer_slot, prio, backlog);
+	/* what enters the switch: frames lost inside it show against this */
+	prio = classify(skb, own, &ip) & (PRIOS - 1);
+	q = &own->q[prio];
+	__sync_fetch_and_add(&q->rx_packets, 1);
+	__sync_fetch_and_add(&q->rx_bytes, skb->len);
+	if (peer) {
+		q = &peer->q[classify(skb, peer, &ip) & (PRIOS - 1)];
+		__sync_fetch_and_add(&q->out_bytes, skb->len);
+		__sync_fetch_and_add(&q->out_packets, 1);
+		if (backlog_of(q) == 0)
+			q->idle_since_ns = bpf_ktime_get_ns();
 	}
+	/* lossless frames are followed through the switches (the peer's priority map is
+	 * the fabric's: one DSCP map everywhere) */
+	if (ip && (own->cfg[prio].xoff_bytes || (peer && peer->cfg[prio].xoff_bytes)))
+		follow_origin(skb, peer, own);
 	return TC_ACT_OK;
 }
 

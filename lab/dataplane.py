@@ -9,10 +9,13 @@ user space.
 Every link end has a slot in one array (struct port in the C source): the
 configuration user space writes (buffer limits, DSCP -> priority, RED's Kmin,
 Kmax, Pmax, each lossless priority's XOFF/XON) and the counters the programs
-keep (bytes in and out of each priority's queue, drops, CE marks, XOFF/XON
-signals, PFC frames sent and received). The array is mapped into user space,
+keep (bytes in and out of each priority's queue, drops, CE marks; as an ingress,
+the bytes that entered there and wait in the switch's queues, its XOFF/XON
+signals; PFC frames sent and received). The array is mapped into user space,
 so reading every port's counters costs no system call. XOFF, XON and received
-pause frames also go to a ring buffer, which the controller app waits on.
+pause frames also go to a ring buffer, which the controller app waits on. A
+lossless frame's ingress port is remembered in an LRU hash (`origins`) from the
+switch's ingress to its egress, where the frame is charged to it.
 
 The maps are pinned under /sys/fs/bpf/fl-dataplane (bpffs is mounted if it is
 not), a lab object like its namespaces: `remove_pins()` runs at teardown and in
@@ -41,29 +44,38 @@ CACHE_DIR = Path("/var/cache/fabriclab/bpf")
 PIN_DIR = bpf.BPF_FS / f"{NAME_PREFIX}dataplane"
 PRIOS = 8
 NO_SLOT = 0xFFFFFFFF
-EVENTS_BYTES = 1 << 20          # the ring buffer: ~26k events
+EVENTS_BYTES = 1 << 20          # the ring buffer: ~21k events
+# frames on their way through a switch, remembered by content (struct origin_key):
+# far more than the fabric's buffers hold (64 KB per queue: ~60 frames)
+ORIGINS = 1 << 16
+ORIGIN_KEY_BYTES, ORIGIN_BYTES = 36, 16
 AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, pad, dscp
 _HEAD = struct.Struct("=8I64s")
 HEAD_DSCP, HEAD_QUANTUM = 8, 6
-_CFG = struct.Struct("=4I")                 # limit, xoff, xon, nic_honours
-_STATE = struct.Struct("=20QIi")
+# limit, xoff, xon, nic_honours, headroom, alpha_q8
+_CFG = struct.Struct("=6I")
+CFG_NIC = 3
+_STATE = struct.Struct("=24QIi")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
                 "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
                 "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust",
-                "paused_until_ns", "xoff", "red_count")
+                "paused_until_ns", "held_in_bytes", "held_out_bytes", "held_adjust",
+                "unattributed", "xoff", "red_count")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
+HELD_ADJUST_AT = STATE_FIELDS.index("held_adjust") * 8
+HELD_AT = STATE_FIELDS.index("held_in_bytes") * 8
 # in_bytes .. ce_marked, then out_adjust and paused_until_ns: what telemetry needs
 _QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}x2Q")
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
 CFG_AT = _HEAD.size
 STATE_AT = CFG_AT + PRIOS * _CFG.size
 # struct event
-EVENT = struct.Struct("=QIIII8H")
+EVENT = struct.Struct("=QIIII8HII")
 EV_XOFF, EV_XON, EV_PAUSE_RX = 1, 2, 3
 
 
@@ -86,13 +98,17 @@ def probe() -> str | None:
         ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, PORT_BYTES, 1,
                                flags=bpf.BPF_F_MMAPABLE, name="fl_probe")
         events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096, name="fl_probe")
+        origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
+                                 64, name="fl_probe")
         try:
             for section in ("tc/egress", "tc/ingress"):
-                os.close(obj.load(section, {"ports": ports.fd, "events": events.fd},
+                os.close(obj.load(section, {"ports": ports.fd, "events": events.fd,
+                                            "origins": origins.fd},
                                   {"port_slot": 0}, name="fl_probe"))
         finally:
             ports.close()
             events.close()
+            origins.close()
     except (LabError, OSError) as e:
         return str(e).splitlines()[0]
     return None
@@ -167,6 +183,13 @@ class PortTable:
         return slot * self.stride
 
     # configuration (user space writes, the programs read)
+    def _cfg(self, slot: int, prio: int, **change) -> None:
+        off = self._at(slot) + CFG_AT + prio * _CFG.size
+        cfg = dict(zip(("limit", "xoff", "xon", "nic", "headroom", "alpha_q8"),
+                       _CFG.unpack_from(self.mem, off)))
+        cfg.update(change)
+        _CFG.pack_into(self.mem, off, *cfg.values())
+
     def set_queues(self, slot: int, dscp_priority: dict[int, int],
                    limits: dict[int, int]) -> None:
         at = self._at(slot)
@@ -177,9 +200,7 @@ class PortTable:
         head[HEAD_DSCP] = bytes(dscp)
         _HEAD.pack_into(self.mem, at, *head)
         for prio in range(PRIOS):
-            limit, xoff, xon, nic = _CFG.unpack_from(self.mem, at + CFG_AT + prio * _CFG.size)
-            _CFG.pack_into(self.mem, at + CFG_AT + prio * _CFG.size, limits.get(prio, 0),
-                           xoff, xon, nic)
+            self._cfg(slot, prio, limit=limits.get(prio, 0))
 
     def set_ecn(self, slot: int, prio_mask: int, kmin_bytes: int, kmax_bytes: int,
                 pmax: float, wlog: int, packet_ns: int) -> None:
@@ -196,25 +217,42 @@ class PortTable:
         head[HEAD_QUANTUM] = round(pause.quantum_s(rate_mbps * 1e6) * 1e9)
         _HEAD.pack_into(self.mem, at, *head)
 
-    def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int) -> None:
-        """xoff_bytes 0: the priority is not lossless on this port."""
-        off = self._at(slot) + CFG_AT + prio * _CFG.size
-        limit, _, _, nic = _CFG.unpack_from(self.mem, off)
-        _CFG.pack_into(self.mem, off, limit, xoff_bytes, xon_bytes, nic)
+    def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int,
+                headroom_bytes: int = 0, alpha: float = 1.0) -> None:
+        """PFC for what waits in this port's `prio` queue, per ingress port: an ingress
+        pauses at alpha x the queue's free part above `headroom_bytes`, at most at
+        `xoff_bytes` (0: the priority is not lossless here), and resumes at the same
+        ratio of `xon_bytes` to `xoff_bytes`."""
+        self._cfg(slot, prio, xoff=xoff_bytes, xon=xon_bytes, headroom=headroom_bytes,
+                  alpha_q8=round(alpha * 256))
 
     def set_nic_honours(self, slot: int, prio: int, on: bool) -> None:
         """Whether the NIC at this link end stops `prio` itself when a pause arrives (a
         GPU agent's transport: traffic/nic.py): then nobody closes a gate for it."""
-        off = self._at(slot) + CFG_AT + prio * _CFG.size
-        limit, xoff, xon, _ = _CFG.unpack_from(self.mem, off)
-        _CFG.pack_into(self.mem, off, limit, xoff, xon, int(on))
+        self._cfg(slot, prio, nic=int(on))
 
     def nic_honours(self, slot: int, prio: int) -> bool:
-        return bool(_CFG.unpack_from(self.mem, self._at(slot) + CFG_AT + prio * _CFG.size)[3])
+        return bool(_CFG.unpack_from(self.mem, self._at(slot) + CFG_AT + prio * _CFG.size)
+                    [CFG_NIC])
 
     def clear_xoff(self, slot: int, prio: int) -> None:
-        """Forget a signalled XOFF (PFC turned off while a queue was paused)."""
+        """Forget this ingress's signalled XOFF and what it holds (PFC turned off)."""
         struct.pack_into("=I", self.mem, self._state_at(slot, prio) + XOFF_AT, 0)
+        self.write_off_held(slot, prio, self.held_bytes(slot, prio))
+
+    def held_bytes(self, slot: int, prio: int) -> int:
+        """What entered the switch through this port and waits in its `prio` queues."""
+        held_in, held_out, adjust = struct.unpack_from("=3Q", self.mem,
+                                                       self._state_at(slot, prio) + HELD_AT)
+        return max(0, held_in - held_out - adjust)
+
+    def write_off_held(self, slot: int, prio: int, nbytes: int) -> None:
+        """Bytes charged to this ingress that left unseen (user space: the only writer)."""
+        at = self._state_at(slot, prio) + HELD_ADJUST_AT
+        struct.pack_into("=Q", self.mem, at, struct.unpack_from("=Q", self.mem, at)[0] + nbytes)
+
+    def xoff(self, slot: int, prio: int) -> bool:
+        return bool(struct.unpack_from("=I", self.mem, self._state_at(slot, prio) + XOFF_AT)[0])
 
     def write_off(self, slot: int, prio: int, nbytes: int) -> None:
         """Bytes that left the queue unseen (user space is this field's only writer)."""
@@ -254,9 +292,9 @@ class PortTable:
 
 
 def parse_event(raw: bytes) -> dict:
-    t_ns, kind, slot, prio, value, *quanta = EVENT.unpack_from(raw)
+    t_ns, kind, slot, prio, value, *quanta, queue, _ = EVENT.unpack_from(raw)
     return {"t_ns": t_ns, "kind": kind, "slot": slot, "prio": prio, "value": value,
-            "quanta": quanta}
+            "quanta": quanta, "queue": queue}
 
 
 def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:
@@ -266,10 +304,11 @@ def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:
 class Dataplane:
     """The programs of one running fabric: loaded and attached at build, the maps pinned."""
 
-    def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map):
+    def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map, origins: bpf.Map):
         self.fabric = fabric
         self.table = table
         self.events = events
+        self.origins = origins
         self.slots = slots(fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
         self.transports: dict[str, int] = {}    # host -> GPU agents running there
@@ -289,9 +328,12 @@ class Dataplane:
                                flags=bpf.BPF_F_MMAPABLE, name="fl_ports")
         events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, EVENTS_BYTES,
                                 name="fl_events")
+        origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
+                                 ORIGINS, name="fl_origins")
         ports.pin(pin_dir / "ports")
         events.pin(pin_dir / "events")
-        dp = cls(fabric, PortTable(ports), events)
+        origins.pin(pin_dir / "origins")
+        dp = cls(fabric, PortTable(ports), events, origins)
         rate = {(end, port): ln.rate_mbps for ln in fabric.links
                 for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
         for i, s in enumerate(all_slots):
@@ -323,7 +365,8 @@ class Dataplane:
     def _attach(self, obj: bpf.ElfObject, slot: int, nl: tcnl.Netlink, ifindex: int) -> None:
         """A link end's programs: ingress everywhere, egress on a switch port."""
         s, other = self.slots[slot], peers(self.fabric)[slot]
-        maps = {"ports": self.table.map.fd, "events": self.events.fd}
+        maps = {"ports": self.table.map.fd, "events": self.events.fd,
+                "origins": self.origins.fd}
         nl.add_clsact(ifindex)
         progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
                   {"port_slot": slot, "switch_port": int(s.switch),
@@ -388,6 +431,7 @@ class Dataplane:
     def close(self) -> None:
         self.table.close()
         self.events.close()
+        self.origins.close()
 
 
 def pinned(pin_dir: Path = PIN_DIR) -> list[str]:

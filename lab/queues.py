@@ -45,6 +45,7 @@ AVERAGE_PACKET_BYTES = 1000        # RED's avpkt: RoCE frames at the default 102
 # through and each resume starts with one.
 PAUSED_RATE_BYTES_S = 1
 GATE_BURST_BYTES = 1600
+MAX_FRAME_BYTES = 1514      # a full frame of a 1500-byte MTU link (no FCS on a veth)
 
 
 @dataclass
@@ -82,6 +83,15 @@ class QueueParams:
 
     def host_buffer_bytes(self, priority: int) -> int:
         return self.host_buffer_kb * 1024
+
+
+def pfc_headroom_bytes(rate_mbps: float, response_ms: float, link_delay_ms: float = 0.0) -> int:
+    """What one port feeding a lossless queue may still send after the queue's switch
+    decides to pause it, as shared-buffer switches size PFC headroom: 2 x (link delay
+    + response) x rate + 2 MTU (the pause frame's way there and the data's way back,
+    the time both ends take to react, a frame being sent at each end)."""
+    return int(2 * (link_delay_ms + response_ms) / 1e3 * rate_mbps * 1e6 / 8
+               + 2 * MAX_FRAME_BYTES)
 
 
 # --- names: every reader of a queue (telemetry, the ECN and PFC engine) uses these ---

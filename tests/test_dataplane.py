@@ -69,11 +69,13 @@ class Pair:
                                     flags=bpf.BPF_F_MMAPABLE, name="fl_test")
         self.events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.EVENTS_BYTES,
                                      name="fl_test")
+        self.origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
+                                      dataplane.ORIGIN_BYTES, 1024, name="fl_test")
         self.table = dataplane.PortTable(self.ports)
         self.ring = bpf.RingBuffer(self.events)
         self.table.set_queues(0, {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA},
                               {0: BUFFER, PRIORITY_ROCE_DATA: BUFFER})
-        maps = {"ports": self.ports.fd, "events": self.events.fd}
+        maps = {"ports": self.ports.fd, "events": self.events.fd, "origins": self.origins.fd}
         for pid, intf, section, hook, consts in (
                 (self.procs[0].pid, INTF_A, "tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": 0}),
                 (self.procs[1].pid, INTF_B, "tc/ingress", tcnl.CLSACT_INGRESS,
@@ -157,13 +159,8 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     # CE: counted on frames that were sent, rewritten with a valid header checksum
     assert 0 < c["ce_marked"] == ce_on_wire < sent_on_wire
     assert good_checksums == sent_on_wire
-    # one XOFF as the queue passed 8 KB, one XON as it drained below 4 KB, in order
-    kinds = [(e["kind"], e["slot"], e["prio"]) for e in events
-             if e["kind"] != dataplane.EV_PAUSE_RX]
-    assert kinds == [(dataplane.EV_XOFF, 0, PRIORITY_ROCE_DATA),
-                     (dataplane.EV_XON, 0, PRIORITY_ROCE_DATA)], events
-    xoff, xon = (e for e in events if e["kind"] != dataplane.EV_PAUSE_RX)
-    assert xoff["value"] >= XOFF and xon["value"] <= XON and xon["t_ns"] > xoff["t_ns"]
+    # PFC is per ingress port: these frames entered no switch, so nobody holds them
+    assert c["unattributed"] == c["in_packets"] and c["xoff_signals"] == 0
     # the pause frame: signalled for B's port, its priority and its quanta, and counted
     [rx] = [e for e in events if e["kind"] == dataplane.EV_PAUSE_RX]
     assert rx["slot"] == 1 and rx["value"] == 1 << PRIORITY_ROCE_DATA
@@ -193,3 +190,143 @@ def test_a_pause_a_transport_honours_is_counted_but_asks_for_no_gate():
     assert [(e["kind"], e["slot"], e["value"]) for e in events] == \
         [(dataplane.EV_PAUSE_RX, 1, 1 << 0)]
     assert (roce["pfc_rx_pause"], roce["pfc_rx_resume"], default["pfc_rx_pause"]) == (1, 1, 1)
+
+
+class Router:
+    """A switch with two ingress ports and one egress port, made of a namespace that
+    routes (as OVS does here: the TTL, the MACs and the IP checksum change on the way
+    through): senders S1 and S2, each on its own port of R, send to D behind R's
+    1 Mb/s port (slow: what the test sends waits there long enough to be looked at). Slots: 0 R's port to D, 1 D's end, 2 R's port from S1, 3 S1's end,
+    4 R's port from S2, 5 S2's end."""
+    NS = ("fl-dpr", "fl-dps1", "fl-dps2", "fl-dpd")
+
+    def __enter__(self):
+        self.__exit__()
+        r, s1, s2, d = self.NS
+        for ns in self.NS:
+            sh(f"ip netns add {ns}")
+        # (router end, other end, subnet)
+        for i, (other, net) in enumerate(((d, 0), (s1, 1), (s2, 2))):
+            sh(f"ip link add {r}-eth{i} netns {r} type veth peer name {other}-eth0 "
+               f"netns {other}")
+            sh(f"ip -n {r} link set {r}-eth{i} up; ip -n {r} addr add 10.98.{net}.1/24 "
+               f"dev {r}-eth{i}; ip -n {other} link set {other}-eth0 up; ip -n {other} addr "
+               f"add 10.98.{net}.2/24 dev {other}-eth0; ip -n {other} route add default via "
+               f"10.98.{net}.1")
+        sh(f"ip netns exec {r} sysctl -qw net.ipv4.ip_forward=1")
+        sh(f"ip netns exec {r} tc qdisc add dev {r}-eth0 root handle 1: htb default 10;"
+           f"ip netns exec {r} tc class add dev {r}-eth0 parent 1: classid 1:10 htb "
+           f"rate 1mbit; ip netns exec {r} tc qdisc add dev {r}-eth0 parent 1:10 "
+           f"bfifo limit 1000000")
+        for ns in (s1, s2):     # ARP and the routes, before any lossless frame
+            sh(f"ip netns exec {ns} ping -c 1 -w 5 10.98.0.2")
+        self.procs = {ns: subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
+                      for ns in self.NS}
+        time.sleep(0.2)
+        obj = bpf.ElfObject(dataplane.build())
+        self.ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, dataplane.PORT_BYTES, 6,
+                                    flags=bpf.BPF_F_MMAPABLE, name="fl_test")
+        self.events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.EVENTS_BYTES,
+                                     name="fl_test")
+        self.origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
+                                      dataplane.ORIGIN_BYTES, 1024, name="fl_test")
+        self.table = dataplane.PortTable(self.ports)
+        self.ring = bpf.RingBuffer(self.events)
+        maps = {"ports": self.ports.fd, "events": self.events.fd, "origins": self.origins.fd}
+        ingress, egress = tcnl.CLSACT_INGRESS, tcnl.CLSACT_EGRESS
+        for ns, intf, section, hook, consts in (
+                (r, f"{r}-eth0", "tc/egress", egress, {"port_slot": 0}),
+                (d, f"{d}-eth0", "tc/ingress", ingress, {"port_slot": 1, "peer_slot": 0}),
+                (r, f"{r}-eth1", "tc/ingress", ingress, {"port_slot": 2, "switch_port": 1}),
+                (r, f"{r}-eth2", "tc/ingress", ingress, {"port_slot": 4, "switch_port": 1})):
+            pid = self.procs[ns].pid
+            nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
+                                                    family=socket.AF_NETLINK))
+            ifindex = netns.ifindex_in_netns(pid, intf)
+            if ifindex not in self.clsact.setdefault(ns, set()):
+                nl.add_clsact(ifindex)
+                self.clsact[ns].add(ifindex)
+            fd = obj.load(section, maps, consts, name="fl_test")
+            nl.attach_bpf(ifindex, hook, fd, "fl-test")
+            os.close(fd)
+            nl.close()
+        return self
+
+    clsact: dict = {}
+
+    def __exit__(self, *exc):
+        for p in getattr(self, "procs", {}).values():
+            p.kill()
+            p.wait()
+        self.clsact = {}
+        for ns in self.NS:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def sender(self, ns: str, n: int, gap_s: float) -> subprocess.Popen:
+        """A process in `ns` ready to send n frames of RoCE data's class to D, 1042
+        bytes each on the wire, as soon as it reads a line."""
+        tos = DSCP_ROCE_DATA << 2
+        code = ("import socket,sys,time\n"
+                "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                f"s.setsockopt(socket.IPPROTO_IP,socket.IP_TOS,{tos})\n"
+                "sys.stdin.readline()\n"
+                f"for i in range({n}):\n"
+                "    s.sendto(i.to_bytes(4,'big')+b'x'*996,('10.98.0.2',4791))\n"
+                f"    time.sleep({gap_s})\n")
+        return subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", code],
+                                stdin=subprocess.PIPE)
+
+
+def go(*senders: subprocess.Popen) -> None:
+    for p in senders:
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+
+
+@requires_root
+def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
+    """PFC per ingress port, with a dynamic threshold: S2 sends a trickle (a frame at a
+    time queued: never above its threshold, no pause for it); S1 a burst of 58 frames
+    (60 KB: plain UDP honours no pause, the queue takes it all), then S2 one frame
+    while the burst waits (the shared part is gone: that one frame pauses S2). Each
+    frame is charged to the port it entered through, across a router that rewrites
+    TTL, MACs and checksum, and discharged as it leaves toward D."""
+    limit, headroom = 64 * 1024, 52 * 1024        # 12 KB shared
+    frame = 1042                                   # 1000 bytes of UDP on the wire
+    with Router() as rt:
+        t = rt.table
+        for slot in range(6):       # one DSCP map in the fabric; D's port has the buffer
+            t.set_queues(slot, {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA},
+                         {PRIORITY_ROCE_DATA: limit} if slot == 0 else {})
+        for slot in (0, 2, 4):
+            t.set_pfc(slot, PRIORITY_ROCE_DATA, XOFF, XON, headroom if slot == 0 else 0)
+        r, s1, s2, _ = Router.NS
+        trickle, burst, late = (rt.sender(s2, 10, 0.02), rt.sender(s1, 58, 0),
+                                rt.sender(s2, 1, 0))
+        time.sleep(0.5)          # the interpreters up, waiting
+        go(trickle)              # 0.4 Mb/s into the 1 Mb/s port
+        assert trickle.wait() == 0
+        time.sleep(0.1)          # drained
+        go(burst)
+        assert burst.wait() == 0       # ~2 ms; the queue takes 0.38 s to fall to 12 KB
+        go(late)
+        assert late.wait() == 0
+        time.sleep(1.0)
+        events = [dataplane.parse_event(r) for r in rt.ring.records()]
+        port, in1, in2 = (t.counters(slot, PRIORITY_ROCE_DATA) for slot in (0, 2, 4))
+        held = (t.held_bytes(2, PRIORITY_ROCE_DATA), t.held_bytes(4, PRIORITY_ROCE_DATA))
+    assert [(e["kind"], e["slot"], e["queue"]) for e in events] == [
+        (dataplane.EV_XOFF, 2, 0), (dataplane.EV_XOFF, 4, 0),
+        (dataplane.EV_XON, 2, 0), (dataplane.EV_XON, 4, 0)], events
+    xoff1, xoff2, xon1, xon2 = events
+    # S1 alone held what the queue held: it paused where its share of the free shared
+    # part (12 KB - backlog) met what it held, at 6 KB, below the static XOFF (8 KB)
+    assert 6 * 1024 <= xoff1["value"] < 6 * 1024 + frame
+    assert xoff2["value"] == frame              # one frame, and no shared buffer left
+    assert xon1["value"] <= XON and xon2["value"] == 0
+    # every admitted frame was charged to its ingress, and discharged as it left
+    assert port["drop_packets"] == 0 and port["unattributed"] == 0
+    assert port["in_packets"] == port["out_packets"] == 69
+    assert in1["held_in_bytes"] + in2["held_in_bytes"] == port["in_bytes"]
+    assert in2["held_in_bytes"] == 11 * frame
+    assert held == (0, 0) and in1["held_in_bytes"] == in1["held_out_bytes"]

@@ -145,7 +145,8 @@ def pause_delivery_ms(evs: list[dict], flows: list[dict], port) -> dict:
     """From the switch deciding XOFF (its event) to each sender's NIC taking the pause
     frame in (its log): the part of the PFC loop that crosses the wire and the host."""
     xoffs = sorted(e["t"] for e in evs if e["event"] == "xoff" and e["device"] == port.switch
-                   and e["port"] == port.port and e["prio"] == PRIORITY_ROCE_DATA)
+                   and e.get("queue", e["port"]) == port.port
+                   and e["prio"] == PRIORITY_ROCE_DATA)
     delays = []
     for f in flows:
         arrivals = sorted(t for t, quanta in f["sender_nic"]["pause_log"] if quanta)
@@ -205,21 +206,20 @@ def starved(variant: str, drops: dict[str, int]) -> list[str]:
 
 
 def headroom(net, state: dict, port, p: Params) -> dict:
-    """What PFC's headroom must hold, as a shared-buffer switch sizes it: per upstream
-    port 2 x (link delay + response time) x link rate + 2 MTU, the response being the
-    lab's own (XOFF to the last upstream gate closed, p99.9 so far; the links have no
-    delay here); every port of the switch can feed the congested queue."""
+    """PFC's headroom on the bottleneck queue, as the controller sized it (per feeding
+    port 2 x (link delay + response) x link rate + 2 MTU; the links have no delay
+    here), beside the response the lab measured so far (XOFF to the upstream gate
+    closed, p99.9: where a GPU agent's transport is the NIC, no gate closes and the
+    transports' own stop times are in pause_delivery_ms)."""
+    sized = state.get("headroom", {}).get(f"{port.switch}:{port.port}", {})
     reaction = state.get("reaction", {}).get("pause", {})
-    response_s = reaction.get("gap_ms_p999", 0.0) / 1e3
-    rate_bytes_s = port.rate_mbps * 1e6 / 8
-    per_port = 2 * response_s * rate_bytes_s + 2 * FRAME_BYTES
-    feeders = len(net.fabric.switch_ports(port.switch)) - 1
     return {"formula": "2 x (link delay + response) x rate + 2 MTU, per feeding port",
-            "response_ms_p999": round(response_s * 1e3, 3), "link_delay_ms": 0.0,
-            "per_port_bytes": int(per_port), "feeding_ports": feeders,
-            "needed_bytes": int(per_port * feeders),
-            "available_bytes": int(net.queue_params.buffer_bytes(PRIORITY_ROCE_DATA)
-                                   - p.xoff_kb * 1024)}
+            "response_ms": round(p.congestion("pfc").response_ms(net.machine_factor), 3),
+            "measured_response_ms_p999": reaction.get("gap_ms_p999"),
+            "link_delay_ms": 0.0,
+            "feeding_ports": len(net.fabric.switch_ports(port.switch)) - 1,
+            "needed_bytes": sized.get("needed_bytes"), "kept_bytes": sized.get("kept_bytes"),
+            "buffer_bytes": sized.get("limit_bytes")}
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
@@ -317,12 +317,14 @@ def run(ctx: RunContext) -> dict:
         for variant in p.variant_list:
             ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
             m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
-            if m["headroom"]:
-                h = m["headroom"]
-                ctx.progress(f"  PFC headroom: {h['feeding_ports']} ports x "
-                             f"{h['per_port_bytes'] / 1024:.1f} KB (response p99.9 "
-                             f"{h['response_ms_p999']} ms) = {h['needed_bytes'] / 1024:.1f} KB "
-                             f"needed, {h['available_bytes'] / 1024:.1f} KB above XOFF")
+            h = m["headroom"]
+            if h and h["needed_bytes"] is not None:
+                measured = h["measured_response_ms_p999"]
+                ctx.progress(f"  PFC headroom: {h['feeding_ports']} feeding ports at "
+                             f"{h['response_ms']} ms response = {h['needed_bytes'] / 1024:.1f} KB"
+                             f" needed, {h['kept_bytes'] / 1024:.1f} KB kept of the "
+                             f"{h['buffer_bytes'] / 1024:.0f} KB buffer"
+                             + (f" (gates measured: p99.9 {measured} ms)" if measured else ""))
             ctx.progress(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
                          f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
                          f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"

@@ -478,11 +478,13 @@ class CongestionControl(app_manager.OSKenApp):
                 self.pausing[key] = (seen, {port.peer})
             self.send_pfc(port, prio, self.config.pause_quanta)
             self.xoff_sent[key] = now
-            self.event("xoff", port, prio=prio, held=e["value"], queue=queue, t=seen)
+            self.event("xoff", port, prio=prio, held=e["value"], threshold=e["threshold"],
+                       queue=queue, t=seen)
         elif e["kind"] == dataplane.EV_XON and key in self.xoff_sent:
             self.send_pfc(port, prio, 0)
             del self.xoff_sent[key]
-            self.event("xon", port, prio=prio, held=e["value"], queue=queue, t=seen)
+            self.event("xon", port, prio=prio, held=e["value"], threshold=e["threshold"],
+                       queue=queue, t=seen)
 
     def reconcile(self, nl: tcnl.Netlink) -> None:
         """Each switch queue's backlog as the data path counts it, against the kernel's:

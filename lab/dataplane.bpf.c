@@ -116,7 +116,7 @@ struct event {
 				 * vector (PAUSE_RX) */
 	__u16 quanta[PRIOS];    /* PAUSE_RX: pause time per priority */
 	__u32 queue;            /* XOFF/XON: the queue (slot) the deciding frame entered or left */
-	__u32 pad;
+	__u32 threshold;        /* XOFF/XON: the threshold it was held against */
 };
 
 /* A frame on its way through the fabric, by what OVS leaves as it is */
@@ -184,7 +184,7 @@ static __always_inline __u64 backlog_of(struct prio_state *q)
 }
 
 static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 value,
-				   __u32 queue)
+				   __u32 queue, __u32 threshold)
 {
 	struct event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 
@@ -197,6 +197,7 @@ static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 val
 	e->prio = prio;
 	e->value = value;
 	e->queue = queue;
+	e->threshold = threshold;
 	bpf_ringbuf_submit(e, 0);
 }
 
@@ -369,7 +370,7 @@ static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p
 	struct origin *o;
 	struct port *in;
 	struct prio_state *h;
-	__u64 held;
+	__u64 held, threshold;
 
 	if (!origin_key(skb, &k))
 		return;
@@ -386,10 +387,10 @@ static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p
 	h = &in->q[prio];
 	__sync_fetch_and_add(&h->held_in_bytes, len);
 	held = held_of(h);
-	if (held >= xoff_threshold(&p->cfg[prio], backlog)
-	    && __sync_val_compare_and_swap(&h->xoff, 0, 1) == 0) {
+	threshold = xoff_threshold(&p->cfg[prio], backlog);
+	if (held >= threshold && __sync_val_compare_and_swap(&h->xoff, 0, 1) == 0) {
 		__sync_fetch_and_add(&h->xoff_signals, 1);
-		notify(EV_XOFF, o->ingress, prio, held, port_slot);
+		notify(EV_XOFF, o->ingress, prio, held, port_slot, threshold);
 	}
 }
 
@@ -411,14 +412,15 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 
 		if (in) {
 			struct prio_state *h = &in->q[prio];
-			__u64 held, backlog = backlog_of(&peer->q[prio]);
+			__u64 held, backlog = backlog_of(&peer->q[prio]), threshold;
 
 			__sync_fetch_and_add(&h->held_out_bytes, o->len);
 			held = held_of(h);
-			if (h->xoff && held <= xon_threshold(&peer->cfg[prio], backlog)
+			threshold = xon_threshold(&peer->cfg[prio], backlog);
+			if (h->xoff && held <= threshold
 			    && __sync_val_compare_and_swap(&h->xoff, 1, 0) == 1) {
 				__sync_fetch_and_add(&h->xon_signals, 1);
-				notify(EV_XON, o->ingress, prio, held, peer_slot);
+				notify(EV_XON, o->ingress, prio, held, peer_slot, threshold);
 			}
 		}
 		o->queue = NO_SLOT;

@@ -292,9 +292,9 @@ class PortTable:
 
 
 def parse_event(raw: bytes) -> dict:
-    t_ns, kind, slot, prio, value, *quanta, queue, _ = EVENT.unpack_from(raw)
+    t_ns, kind, slot, prio, value, *quanta, queue, threshold = EVENT.unpack_from(raw)
     return {"t_ns": t_ns, "kind": kind, "slot": slot, "prio": prio, "value": value,
-            "quanta": quanta, "queue": queue}
+            "quanta": quanta, "queue": queue, "threshold": threshold}
 
 
 def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:

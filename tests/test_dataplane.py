@@ -322,7 +322,8 @@ def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
     # S1 alone held what the queue held: it paused where its share of the free shared
     # part (12 KB - backlog) met what it held, at 6 KB, below the static XOFF (8 KB)
     assert 6 * 1024 <= xoff1["value"] < 6 * 1024 + frame
-    assert xoff2["value"] == frame              # one frame, and no shared buffer left
+    assert 0 <= xoff1["value"] - xoff1["threshold"] < frame      # at the frame that crossed
+    assert xoff2["value"] == frame and xoff2["threshold"] == 0   # no shared buffer left
     assert xon1["value"] <= XON and xon2["value"] == 0
     # every admitted frame was charged to its ingress, and discharged as it left
     assert port["drop_packets"] == 0 and port["unattributed"] == 0

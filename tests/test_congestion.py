@@ -411,15 +411,21 @@ def test_incast_drops_then_ecn_marks(tmp_path, machine_factor):
 
 def test_incast_pfc_is_lossless(tmp_path, machine_factor):
     """The default 8-to-1 incast with PFC and with ECN+PFC: lossless on every queue, no
-    gap at any receiver, pause frames sent and honoured. (The data path signals XOFF per
-    packet; with the controller sampling every millisecond instead, eight senders
-    resuming together overflowed the headroom in 3 of 6 suite runs.)"""
+    gap at any receiver, pause frames sent and honoured, each sender paused on its own
+    port's account (per ingress), with the headroom sized for it. (The data path
+    signals XOFF per packet; with the controller sampling every millisecond instead,
+    eight senders resuming together overflowed the headroom in 3 of 6 suite runs.)"""
     m = run_incast(tmp_path / "incast", machine_factor, "variants=pfc,ecn+pfc")
     assert len(m["claims"]) == 3
     for v in ("pfc", "ecn+pfc"):
         pfc = m["metrics"][v]
         assert pfc["drops_packets"] == 0 and pfc["pause_frames_sent"] > 0
         assert pfc["sender_pause_frames_received"] > 0
+        # one frame per decision, to the sender whose port it was: every frame sent
+        # reached a sender, and every sender was paused
+        assert pfc["sender_pause_frames_received"] == pfc["pause_frames_sent"]
+        h = pfc["headroom"]       # what the bottleneck keeps for its 9 feeding ports
+        assert h["feeding_ports"] == 9 and h["kept_bytes"] == h["needed_bytes"] > 0
         # lossless on every queue, and no gap at any receiver
         assert pfc["drops_elsewhere"] == {} and pfc["receiver_naks"] == 0, \
             {k: pfc[k] for k in ("drops_elsewhere", "receiver_naks", "timeouts",

@@ -141,16 +141,20 @@ def sender_goodputs(flows: list[dict], since: float, until: float) -> dict[str, 
                            since, until) / DEFAULT_MTU_BYTES for f in flows}
 
 
-def pause_delivery_ms(evs: list[dict], flows: list[dict], port) -> dict:
+def pause_delivery_ms(evs: list[dict], flows: list[dict], port, fabric) -> dict:
     """From the switch deciding XOFF (its event) to each sender's NIC taking the pause
-    frame in (its log): the part of the PFC loop that crosses the wire and the host."""
-    xoffs = sorted(e["t"] for e in evs if e["event"] == "xoff" and e["device"] == port.switch
-                   and e.get("queue", e["port"]) == port.port
-                   and e["prio"] == PRIORITY_ROCE_DATA)
+    frame in (its log): the part of the PFC loop that crosses the wire and the host.
+    A sender's pauses: with the data path, its own port's (accounting per ingress);
+    sampled, the bottleneck queue's (every feeding port is paused)."""
+    xoffs = [e for e in evs if e["event"] == "xoff" and e["device"] == port.switch
+             and e["prio"] == PRIORITY_ROCE_DATA]
     delays = []
     for f in flows:
+        own = fabric.host(f["src"]).interface().port
+        mine = sorted(e["t"] for e in xoffs
+                      if (e["port"] == own if "queue" in e else e["port"] == port.port))
         arrivals = sorted(t for t, quanta in f["sender_nic"]["pause_log"] if quanta)
-        for x in xoffs:
+        for x in mine:
             i = bisect.bisect_left(arrivals, x)
             if i < len(arrivals) and arrivals[i] - x < 1.0:
                 delays.append(arrivals[i] - x)
@@ -205,17 +209,18 @@ def starved(variant: str, drops: dict[str, int]) -> list[str]:
             for key, n in sorted(drops.items()) if key.endswith(f":{INSIDE}") and n > 0]
 
 
-def headroom(net, state: dict, port, p: Params) -> dict:
+def headroom(net, state: dict, port, p: Params, delivery_ms: dict) -> dict:
     """PFC's headroom on the bottleneck queue, as the controller sized it (per feeding
     port 2 x (link delay + response) x link rate + 2 MTU; the links have no delay
-    here), beside the response the lab measured so far (XOFF to the upstream gate
-    closed, p99.9: where a GPU agent's transport is the NIC, no gate closes and the
-    transports' own stop times are in pause_delivery_ms)."""
+    here), beside the responses measured in this variant: XOFF to the sender's NIC
+    taking the frame (a GPU agent's transport stops there), and XOFF to an upstream
+    gate closed (switches, hosts without an agent; p99.9 of the run so far)."""
     sized = state.get("headroom", {}).get(f"{port.switch}:{port.port}", {})
-    reaction = state.get("reaction", {}).get("pause", {})
+    gates = state.get("reaction", {}).get("pause", {})
     return {"formula": "2 x (link delay + response) x rate + 2 MTU, per feeding port",
             "response_ms": round(p.congestion("pfc").response_ms(net.machine_factor), 3),
-            "measured_response_ms_p999": reaction.get("gap_ms_p999"),
+            "measured_delivery_ms_max": delivery_ms.get("max"),
+            "measured_gate_ms_p999": gates.get("gap_ms_p999") if gates.get("samples") else None,
             "link_delay_ms": 0.0,
             "feeding_ports": len(net.fabric.switch_ports(port.switch)) - 1,
             "needed_bytes": sized.get("needed_bytes"), "kept_bytes": sized.get("kept_bytes"),
@@ -266,6 +271,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     xoff = after["xoff_frames_sent"] - before["xoff_frames_sent"]
     xon = after["xon_frames_sent"] - before["xon_frames_sent"]
     state = read_state(net)
+    delivery = pause_delivery_ms(events(net, t0), flows, recv_if, net.fabric)
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
@@ -290,10 +296,10 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "timeouts": sum(f["counters"]["timeouts"] for f in flows),
         "sender_pause_frames_received": sum(f["sender_nic"]["pause_frames_received"]
                                             for f in flows),
-        "pause_delivery_ms": pause_delivery_ms(events(net, t0), flows, recv_if),
+        "pause_delivery_ms": delivery,
         "controller_sampling": state.get("sampling"),
         "pfc_reaction_ms": state.get("reaction"),   # the run so far
-        "headroom": headroom(net, state, recv_if, p) if "pfc" in variant else None,
+        "headroom": headroom(net, state, recv_if, p, delivery) if "pfc" in variant else None,
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
         "sender_goodput_pps": {s: round(r, 1) for s, r in goodputs.items()},
         "fair_share_pps": round(fair, 1),
@@ -319,12 +325,15 @@ def run(ctx: RunContext) -> dict:
             m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
             h = m["headroom"]
             if h and h["needed_bytes"] is not None:
-                measured = h["measured_response_ms_p999"]
+                measured = [f"XOFF to a sender's NIC max {h['measured_delivery_ms_max']} ms"
+                            if h["measured_delivery_ms_max"] is not None else "",
+                            f"to a gate p99.9 {h['measured_gate_ms_p999']} ms"
+                            if h["measured_gate_ms_p999"] is not None else ""]
                 ctx.progress(f"  PFC headroom: {h['feeding_ports']} feeding ports at "
                              f"{h['response_ms']} ms response = {h['needed_bytes'] / 1024:.1f} KB"
                              f" needed, {h['kept_bytes'] / 1024:.1f} KB kept of the "
-                             f"{h['buffer_bytes'] / 1024:.0f} KB buffer"
-                             + (f" (gates measured: p99.9 {measured} ms)" if measured else ""))
+                             f"{h['buffer_bytes'] / 1024:.0f} KB buffer (measured: "
+                             f"{', '.join(x for x in measured if x) or 'no pause'})")
             ctx.progress(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
                          f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
                          f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"

@@ -253,6 +253,24 @@ def test_rc_sender_keeps_line_rate_without_marks():
     assert qb.counters.cnps_sent == 0 and qa.rate_bps == pytest.approx(800e6)
 
 
+def test_a_slow_rc_sender_asks_for_acks_before_its_timer_runs_out():
+    """DCQCN may cut a sender to 1% of its line; the responder coalesces 16 packets per
+    ACK. At 0.5 Mb/s 16 packets take 0.28 s against a 50 ms timer: without asking for
+    ACKs itself, the sender would time out and resend what was not lost."""
+    nic_a, nic_b, qa, qb, region = pair("rc", line_rate_mbps=100, rate_scale=10)
+
+    def cut_to_half_a_megabit(nbytes, now):     # as DCQCN's deepest cuts leave it
+        qa.rate_bps = 0.5e6
+        qa.account(nbytes, now)
+    qa._rate_control = cut_to_half_a_megabit
+    data = os.urandom(40 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.counters.timeouts == 0 and qa.counters.retransmitted == 0
+    assert qb.counters.acks_sent >= 40      # one per packet: each took > rto / 4
+
+
 def test_mrc_window_shrinks_on_ecn_echo():
     nic_a, nic_b, qa, qb, region = pair("mrc", mark=mark_ce)
     data = os.urandom(300_000)

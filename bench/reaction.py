@@ -42,7 +42,7 @@ from lab.congestion import CongestionParams, events, set_congestion  # noqa: E40
 from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E402
 from lab.gpus import GpuAgents                                      # noqa: E402
 from lab.network import FabricNetwork                               # noqa: E402
-from lab.queues import interface_name                               # noqa: E402
+from topologies.fabric import interface_name                               # noqa: E402
 from lab.state import RunLock                                       # noqa: E402
 from lab.telemetry import QueueTelemetry                            # noqa: E402
 from topologies.registry import build_topo                          # noqa: E402

@@ -76,7 +76,7 @@ from controllers.fabric_router import (EGRESS_TABLE, PRIORITY_EGRESS_MARK, PRIOR
                                        logged)
 from controllers.protocol import EVENTS_FILE, CongestionConfig, write_state
 from lab import dataplane, netns, queues, tcnl
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 from traffic import pause
 from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_ROCE_DATA, Ecn
 
@@ -203,7 +203,7 @@ class CongestionControl(app_manager.OSKenApp):
             pid = self.config.host_pids.get(host)
             if pid is None:
                 return None
-            intf = queues.interface_name(host, port)
+            intf = interface_name(host, port)
             p = Port(host, 0, port, intf, rate_mbps, [], netns_pid=pid)
             p.nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
                                                       family=socket.AF_NETLINK))

@@ -46,7 +46,7 @@ from os_ken.ofproto import ether, ofproto_v1_5
 from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
 from controllers.routes import Deliver, Forward, arp_table, routes_for, without_links
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 from traffic.constants import (EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
                                ROCE_V2_UDP_PORT)
 
@@ -89,7 +89,7 @@ def logged(handler):
 def link_is_up(switch: str, port: int) -> bool:
     """The kernel's view of a switch port's veth (Mininet's naming: SWITCH-ethPORT)."""
     try:
-        return Path(f"/sys/class/net/{switch}-eth{port}/operstate").read_text().strip() == "up"
+        return Path(f"/sys/class/net/{interface_name(switch, port)}/operstate").read_text().strip() == "up"
     except OSError:
         return False
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lab import queues, state
 from lab.errors import LabError, UsageError
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 PCAP_RECORD_BYTES = 16          # a pcap record's header
@@ -58,11 +58,11 @@ def resolve(fabric: Fabric, spec: str, what: str = "--capture") -> list[str]:
     if spec in {s.name for s in fabric.switches}:
         return [intf for sw, _, intf, _ in queues.switch_ports(fabric) if sw == spec]
     m = re.fullmatch(r"(\S+):(\d+)", spec)
-    if m and queues.interface_name(m[1], int(m[2])) in ports:
-        return [queues.interface_name(m[1], int(m[2]))]
+    if m and interface_name(m[1], int(m[2])) in ports:
+        return [interface_name(m[1], int(m[2]))]
     if spec in {h.name for h in fabric.hosts}:
         i = fabric.host(spec).interface()
-        return [queues.interface_name(i.switch, i.port)]
+        return [interface_name(i.switch, i.port)]
     raise UsageError(f"{what}: no switch port {spec!r}; name one as SWITCH:PORT "
                      f"(e.g. fl-lf0:2), an interface (fl-lf0-eth2), a GPU host (g0) or a "
                      f"switch (fl-lf0: all its ports)")

@@ -33,9 +33,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import bpf, netns, queues, tcnl
+from lab import bpf, netns, tcnl
 from lab.errors import LabError
-from topologies.fabric import NAME_PREFIX, Fabric
+from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
@@ -150,7 +150,7 @@ def slots(fabric: Fabric) -> list[Slot]:
     out = []
     for ln in fabric.links:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
-            out.append(Slot(node, port, queues.interface_name(node, port), node in switches))
+            out.append(Slot(node, port, interface_name(node, port), node in switches))
     return out
 
 

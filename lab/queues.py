@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from lab.errors import LabError
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_ROCE_DATA
 
 DEFAULT_PRIORITY = 0
@@ -95,11 +95,6 @@ def pfc_headroom_bytes(rate_mbps: float, response_ms: float, link_delay_ms: floa
 
 
 # --- names: every reader of a queue (telemetry, the ECN and PFC engine) uses these ---
-def interface_name(node: str, port: int) -> str:
-    """Mininet's interface name for a node's port."""
-    return f"{node}-eth{port}"
-
-
 def class_minor(priority: int) -> int:
     return 0x10 + priority
 

@@ -7,9 +7,8 @@ import pytest
 
 import wire
 from conftest import fabriclab, requires_root
-from lab import queues
 from lab.capture import FRAME_BYTES_BOUND
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 
 pytestmark = requires_root
 
@@ -80,8 +79,8 @@ def leaf_counters_equal_the_wire(out) -> None:
     m = cap.metrics
     hosts = [h.interface() for h in fabric.hosts if h.interface().switch == "fl-lf0"]
     mine = {i.ip for i in hosts}
-    host_ports = [queues.interface_name(i.switch, i.port) for i in hosts]
-    uplinks = [queues.interface_name("fl-lf0", p) for p in range(1, 5)]
+    host_ports = [interface_name(i.switch, i.port) for i in hosts]
+    uplinks = [interface_name("fl-lf0", p) for p in range(1, 5)]
     slack = cap.tcpdump_dropped(cap.ports)
     for name in ("rc", "mrc_hash", "mrc_explicit"):
         v, span = m[name], m[name]["counted_unix_s"]
@@ -131,7 +130,7 @@ def test_gpu_host_honours_real_pfc_frames(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
         g0 = net.fabric.host("g0")
-        leaf_port = f"{g0.interface().switch}-eth{g0.interface().port}"
+        leaf_port = interface_name(g0.interface().switch, g0.interface().port)
         rx = Path(f"/sys/class/net/{leaf_port}/statistics/rx_packets")
         with GpuAgents(net) as gpus:
             result = {}

@@ -17,7 +17,7 @@ from lab.errors import LabError
 from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
 from lab.network import FabricNetwork
 from lab.telemetry import QueueTelemetry
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_name
 from topologies.registry import build_topo
 from traffic import pause
 from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_CNP, PRIORITY_ROCE_DATA
@@ -94,8 +94,8 @@ def test_dscp_picks_the_class_on_every_switch_port(tmp_path):
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
         nl = tcnl.Netlink()
         g1 = net.fabric.host("g1").interface()
-        port = queues.interface_name(g1.switch, g1.port)
-        for intf in (queues.interface_name(s, p) for s, p, *_ in queues.switch_ports(net.fabric)):
+        port = interface_name(g1.switch, g1.port)
+        for intf in (interface_name(s, p) for s, p, *_ in queues.switch_ports(net.fabric)):
             for prio in (0, PRIORITY_ROCE_DATA, PRIORITY_CNP):   # every port, every class
                 assert _gate(nl.qdiscs(), intf, prio).rate_bytes_s == \
                     queues.gate_rate_bytes_s(g1.rate_mbps)
@@ -126,7 +126,7 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
         assert (net.dataplane is not None) == use_dataplane
         set_congestion(net, CongestionParams(pfc=True, watchdog_ms=150))
         g1 = net.fabric.host("g1").interface()
-        port = queues.interface_name(g1.switch, g1.port)
+        port = interface_name(g1.switch, g1.port)
         nl = tcnl.Netlink()
         # ARP and OVS's flow setup first: with the kernel datapath under a software CPU
         # the first echo of a new flow was lost in the upcall (1 run of 3 in the lab VM)
@@ -198,7 +198,7 @@ def test_a_queue_flushed_unseen_is_written_off(tmp_path):
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
         set_congestion(net, CongestionParams(pfc=True))
         g1 = net.fabric.host("g1").interface()
-        intf = queues.interface_name(g1.switch, g1.port)
+        intf = interface_name(g1.switch, g1.port)
         send = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_PACKET, "
                 "socket.SOCK_RAW); s.bind(('g1-eth0', 0)); s.send(bytes.fromhex(sys.argv[1]))\" ")
         net.mininet["g1"].cmd(send + pause.pfc_frame(g1.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex())
@@ -240,7 +240,7 @@ def _udp_incast(net, dst: str, srcs: list[str], mbps: float, seconds: float) -> 
 
 def _drops(net, nl, switch: str, port: int, prio: int) -> int:
     """A queue's drops: the kernel's, and the data path's at its buffer limit."""
-    kernel = _gate(nl.qdiscs(), queues.interface_name(switch, port), prio).drops
+    kernel = _gate(nl.qdiscs(), interface_name(switch, port), prio).drops
     return kernel + (net.dataplane.counters(switch, port, prio)["drop_packets"]
                      if net.dataplane else 0)
 
@@ -353,8 +353,8 @@ def incast_counters_equal_the_wire(out) -> None:
     fabric = Fabric.load(out / "fabric.json")
     m = cap.metrics
     recv = fabric.host(m["receiver"]).interface()
-    recv_port = queues.interface_name(recv.switch, recv.port)
-    sender_ports = [queues.interface_name(i.switch, i.port)
+    recv_port = interface_name(recv.switch, recv.port)
+    sender_ports = [interface_name(i.switch, i.port)
                     for i in (fabric.host(s).interface() for s in m["senders"])]
     slack = cap.tcpdump_dropped(cap.ports)
 
@@ -477,11 +477,11 @@ def spreading_counters_equal_the_wire(out) -> None:
     m, roles = cap.metrics, cap.metrics["roles"]
     dpid = {s.name: s.dpid for s in fabric.switches}
     port_of = {h.name: h.interface() for h in fabric.hosts}
-    intf = {h: queues.interface_name(i.switch, i.port) for h, i in port_of.items()}
+    intf = {h: interface_name(i.switch, i.port) for h, i in port_of.items()}
     recv_ip = port_of[roles["receiver"]].ip
     sources = [*roles["senders"], roles["victim"]]
     sinks = [roles["receiver"], roles["victim_dst"]]
-    switch_ports = {queues.interface_name(sw, p): (sw, p)
+    switch_ports = {interface_name(sw, p): (sw, p)
                     for sw, p, *_ in queues.switch_ports(fabric)}
     slack = cap.tcpdump_dropped(cap.ports)
     prio = PRIORITY_ROCE_DATA

@@ -11,6 +11,7 @@ import pytest
 from conftest import fabriclab, requires_root
 from lab.netns import socket_in_netns
 from lab.network import FabricNetwork
+from topologies.fabric import interface_name
 from topologies.registry import build_topo
 
 pytestmark = requires_root
@@ -31,7 +32,7 @@ def test_verify_each_topology(args, pairs):
 
 
 def uplink_tx(leaf: str, spines: int) -> list[int]:
-    return [int(Path(f"/sys/class/net/{leaf}-eth{p}/statistics/tx_packets").read_text())
+    return [int(Path(f"/sys/class/net/{interface_name(leaf, p)}/statistics/tx_packets").read_text())
             for p in range(1, spines + 1)]
 
 

@@ -8,7 +8,7 @@ import pytest
 from mininet.cli import CLI
 
 from lab import shell
-from lab.queues import interface_name
+from topologies.fabric import interface_name
 from lab.telemetry import QueueSample
 from topologies.registry import build_topo
 

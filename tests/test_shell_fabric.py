@@ -6,7 +6,7 @@ import pytest
 from mininet.log import setLogLevel
 
 from lab.network import FabricNetwork
-from lab.queues import interface_name
+from topologies.fabric import interface_name
 from lab.shell import FabricCLI
 from topologies.registry import build_topo
 

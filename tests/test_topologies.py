@@ -4,7 +4,7 @@ import ipaddress
 import pytest
 
 from controllers.routes import Deliver, Forward, routes_for
-from lab.queues import interface_name
+from topologies.fabric import interface_name
 from topologies.base import ParamError
 from topologies.registry import build_topo, make_params
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from mininet.topo import Topo
 
-from topologies.fabric import NAME_PREFIX, Fabric, Host, HostInterface, Link, Subnet, Switch
+from topologies.fabric import (NAME_PREFIX, Fabric, Host, HostInterface, Link, Subnet, Switch,
+                               interface_name)
 
 # Emulated links run at Mb/s; real ones at Gb/s. One emulated Mb/s stands for
 # RATE_SCALE real Mb/s: with the default 1000, a 100 Mb/s host link is a
@@ -140,7 +141,7 @@ class FabricTopo(Topo):
             raise ParamError(f"at most {MAX_HOSTS_PER_SUBNET} hosts per switch")
         self._subnet_hosts[subnet.cidr] = n
         base = subnet.cidr.rsplit(".", 1)[0]
-        return HostInterface(name=f"{host}-eth{ifindex}", network=network, ip=f"{base}.{n}",
+        return HostInterface(name=interface_name(host, ifindex), network=network, ip=f"{base}.{n}",
                              prefix_len=24, mac=host_mac(index, network), switch=switch,
                              port=self._next_port[switch], rate_mbps=rate_mbps)
 

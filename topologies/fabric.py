@@ -16,6 +16,12 @@ from pathlib import Path
 NAME_PREFIX = "fl-"
 
 
+def interface_name(node: str, port: int) -> str:
+    """A node's port's interface name: Mininet's (its intfName), used by every layer
+    that finds a port's device (queues, the data path, captures, the controllers)."""
+    return f"{node}-eth{port}"
+
+
 @dataclass
 class Switch:
     name: str

@@ -15,6 +15,7 @@ from lab.capture import CapturePlan
 from lab.errors import UsageError
 from lab.gpus import GpuAgents, explicit_evs
 from lab.runner import Claim, RunContext
+from topologies.fabric import interface_name
 
 NAME = "ecmp-vs-spray"
 DESCRIPTION = "long flows leaf to leaf: bytes per spine uplink, RC (ECMP-pinned) vs MRC (sprayed)"
@@ -41,7 +42,7 @@ class Params:
 
 
 def uplink_bytes(leaf: str, spines: int) -> list[int]:
-    return [int(Path(f"/sys/class/net/{leaf}-eth{p}/statistics/tx_bytes").read_text())
+    return [int(Path(f"/sys/class/net/{interface_name(leaf, p)}/statistics/tx_bytes").read_text())
             for p in range(1, spines + 1)]
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from lab.errors import LabError, UsageError
 from lab.gpus import GpuAgents, explicit_evs
-from lab.queues import interface_name
+from topologies.fabric import interface_name
 from lab import events
 from lab.runner import Claim, RunContext
 

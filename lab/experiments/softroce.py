@@ -28,13 +28,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from lab import queues
 from lab.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.impair import RandomLoss
 from lab.runner import Claim, RunContext
 from lab.softroce import (Capture, RxeHosts, counter_delta, hw_counters, ib_write_bw,
                           pcap_frames, qp_timeout_ms, require_soft_roce, roce_flow_stats)
+from topologies.fabric import interface_name
 
 NAME = "softroce"
 DESCRIPTION = ("the same transfer by real RoCE (rxe) and by the lab's RC, clean and under "
@@ -105,7 +105,7 @@ def wire(stats, lost: int) -> dict:
 
 def sender_port(ctx: RunContext, host: str) -> str:
     i = ctx.fabric.host(host).interface()
-    return queues.interface_name(i.switch, i.port)
+    return interface_name(i.switch, i.port)
 
 
 def lab_rc_run(ctx: RunContext, gpus: GpuAgents, src, dst, loss: float) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from kernel_lab import host_pids, leaf_spine
 from lab import ovs, verify
-from lab.queues import interface_name
+from topologies.fabric import interface_name
 
 pytestmark = pytest.mark.kernel
 

@@ -22,7 +22,7 @@ from contextlib import ExitStack
 import pytest
 
 from kernel_lab import leaf_spine
-from lab import queues
+from topologies.fabric import interface_name
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.softroce import (IB_WRITE_BW_PORT, TCLASS_ROCE_ECT0, Capture, RxeHosts, ib_write_bw,
                           pcap_frames, pfc_frames, roce_flow_stats, without_lab_mac)
@@ -50,7 +50,7 @@ TCLASS_ROCE_NOT_ECT = TCLASS_ROCE_ECT0 & ~0b11
 
 def switch_port_of(net, host: str) -> tuple[str, int, str]:
     i = net.fabric.host(host).interface()
-    return i.switch, i.port, queues.interface_name(i.switch, i.port)
+    return i.switch, i.port, interface_name(i.switch, i.port)
 
 
 def incast(rxe, tclass: int):

@@ -26,6 +26,12 @@ from lab.controller import Controller
 from lab.errors import LabError, Terminated
 from topologies.base import FabricTopo
 
+# OVS's send socket (userspace datapath) gets this many times what the switch ports'
+# queues hold together: a queued frame is charged its truesize (a 1 KB frame ~2.3 KB)
+OVS_SEND_BUFFER_FACTOR = 4
+OVS_SEND_BUFFER_MIN_BYTES = 4 << 20
+OVS_SEND_BUFFER_MAX_BYTES = 256 << 20
+
 # Mininet decodes its host shells' terminal output as strict UTF-8; a stray
 # non-UTF-8 byte there (seen intermittently in CI) raised inside Mininet and
 # aborted the whole run. Replace such bytes instead.
@@ -66,6 +72,7 @@ class FabricNetwork:
         self.use_dataplane = use_dataplane
         self.dataplane: dataplane.Dataplane | None = None   # ECN and PFC per packet (BPF)
         self.dataplane_missing: str | None = None           # or why it cannot run here
+        self.ovs_send_buffer_bytes: int | None = None       # userspace datapath: lifted to
         self.datapath: str | None = None
         self.timings: dict[str, float] = {}
         self._old_sigterm = None
@@ -118,7 +125,29 @@ class FabricNetwork:
         # generous: under a software CPU (the lab VM) a switch may take half a minute
         self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
         self.controller.enable_rerouting()
+        if self.datapath == "user":
+            self.lift_ovs_send_buffer()
         self.timings["ready_s"] = time.monotonic() - t0
+
+    def lift_ovs_send_buffer(self) -> None:
+        """OVS's userspace datapath sends every port's frames through one packet socket
+        whose send buffer (the kernel's default: ~93 full frames) would bound what all
+        the switch ports hold together, dropping the excess unseen (lab/ovs.py). It gets
+        room for every port's buffers. The socket appears with OVS's first send: a
+        host's ping of its gateway (answered by the router app through OVS) makes one."""
+        ports = queues.switch_ports(self.fabric)
+        q = self.queue_params
+        need = OVS_SEND_BUFFER_FACTOR * len(ports) * sum(q.buffer_bytes(p) for p in q.priorities)
+        need = min(max(need, OVS_SEND_BUFFER_MIN_BYTES), OVS_SEND_BUFFER_MAX_BYTES)
+        if ovs.send_socket() is None:
+            self.mininet.hosts[0].cmd("ping -c 1 -W 1 \"$(ip route | awk '/^default/ "
+                                      "{print $3; exit}')\" > /dev/null 2>&1")
+        got = ovs.lift_send_buffer(need)
+        self.ovs_send_buffer_bytes = got
+        if got is None or got < need:
+            self.progress(f"warning: OVS's send buffer could not be raised to "
+                          f"{need >> 20} MB (it has {got or 0} bytes): frames queued on "
+                          f"all switch ports together beyond it are dropped inside OVS")
 
     def stop(self) -> None:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a 2nd Ctrl-C must not cut teardown short

@@ -7,7 +7,9 @@ FABRICLAB_DATAPATH=user forces the userspace datapath on any kernel.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import socket
 import subprocess
 from pathlib import Path
 from shutil import which
@@ -16,6 +18,9 @@ from lab.errors import LabError
 
 OVS_CTL = "/usr/share/openvswitch/scripts/ovs-ctl"
 TSO_KEY = "other_config:userspace-tso-enable"
+PIDFILE = Path("/run/openvswitch/ovs-vswitchd.pid")
+SYS_PIDFD_GETFD = 438           # the same number on every architecture (the generic table)
+SO_SNDBUFFORCE = 32             # <asm-generic/socket.h>; Python's socket module lacks it
 
 
 def _ok(args: list[str], timeout: float = 10) -> bool:
@@ -89,3 +94,54 @@ def ensure_running() -> str:
                             f"{TSO_KEY}=true"], check=True)
             _service("restart")   # the TSO setting is read at start only
     return kind
+
+
+def send_socket() -> tuple[int, int] | None:
+    """(pid, fd) of ovs-vswitchd's AF_PACKET send socket, if it has one yet.
+
+    The userspace datapath sends every port's frames through one packet socket per
+    process (lib/netdev-linux.c: made at the first send, never bound), so frames
+    waiting in any port's qdisc are all charged to its send buffer: the kernel's
+    default, 208 KB of truesize, ~93 frames across every port of every bridge; past
+    that a send fails and OVS drops the frame, counted by no queue."""
+    try:
+        pid = int(PIDFILE.read_text().split()[0])
+        fds = {os.readlink(f"/proc/{pid}/fd/{fd}"): int(fd)
+               for fd in os.listdir(f"/proc/{pid}/fd")}
+        lines = Path("/proc/net/packet").read_text().splitlines()[1:]
+    except (OSError, ValueError, IndexError):
+        return None
+    for line in lines:      # sk RefCnt Type Proto Iface R Rmem User Inode
+        cols = line.split()
+        if len(cols) >= 9 and int(cols[3], 16) == 0 and cols[4] == "0":
+            fd = fds.get(f"socket:[{cols[8]}]")
+            if fd is not None:
+                return pid, fd
+    return None
+
+
+def lift_send_buffer(nbytes: int) -> int | None:
+    """Raise that socket's send buffer to `nbytes` (SO_SNDBUFFORCE through a duplicate
+    of it taken with pidfd_getfd: no global sysctl, no restart), so the switch ports'
+    own buffers are what bound their queues. Returns the buffer now (the kernel
+    doubles what it is given), or None if OVS has no such socket yet or the kernel
+    refuses (pidfd_getfd needs Linux 5.6 and ptrace rights over ovs-vswitchd)."""
+    found = send_socket()
+    if found is None:
+        return None
+    pid, target = found
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, target, 0)
+    finally:
+        os.close(pidfd)
+    if fd < 0:
+        return None
+    with socket.socket(fileno=fd) as sock:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < nbytes:
+            sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, nbytes)
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)

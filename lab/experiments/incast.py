@@ -63,6 +63,8 @@ class Params:
     pmax: float = CongestionParams.pmax
     xoff_kb: float = CongestionParams.xoff_kb
     xon_kb: float = CongestionParams.xon_kb
+    pfc_response_ms: float = CongestionParams.pfc_response_ms
+    pfc_alpha: float = CongestionParams.pfc_alpha
     sample_ms: float = CongestionParams.sample_ms
     dcqcn_time_scale: float = 0.0   # 0: derived from Kmax and the link (traffic/dcqcn.py)
     # without ECN or PFC, go-back-N under heavy loss collapses: stop after this long
@@ -87,7 +89,8 @@ class Params:
         return CongestionParams(ecn=self.ecn if "ecn" in variant else "off",
                                 kmin_kb=self.kmin_kb, kmax_kb=self.kmax_kb, pmax=self.pmax,
                                 pfc="pfc" in variant, xoff_kb=self.xoff_kb,
-                                xon_kb=self.xon_kb, sample_ms=self.sample_ms)
+                                xon_kb=self.xon_kb, pfc_response_ms=self.pfc_response_ms,
+                                pfc_alpha=self.pfc_alpha, sample_ms=self.sample_ms)
 
 
 def capture_plan(fabric, params: Params) -> CapturePlan:

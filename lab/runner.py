@@ -265,6 +265,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
             config["datapath"] = net.datapath
             config["congestion_datapath"] = "bpf" if net.dataplane else \
                 f"controller sampling ({net.dataplane_missing})"
+            config["ovs_send_buffer_bytes"] = net.ovs_send_buffer_bytes   # userspace datapath
             write_json_atomic(workdir / "config.json", config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
             plan = CapturePlan(capture or [])
@@ -313,6 +314,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "rate_scale": config["rate_scale"],
         "datapath": config.get("datapath"),
         "congestion_datapath": config.get("congestion_datapath"),
+        "ovs_send_buffer_bytes": config.get("ovs_send_buffer_bytes"),
         "metrics": metrics,
         "claims": [dataclasses.asdict(c) for c in claims],
         "passed": all(c.passed for c in claims),

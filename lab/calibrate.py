@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from lab import paths
 from traffic.constants import DEFAULT_MTU_BYTES, MRC_MAX_PACKETS_PER_MESSAGE
 
 # (the fabric and the agents are imported where a measurement needs them: `doctor` reads
@@ -36,8 +37,6 @@ SWEEP_MBPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
 FLOW_SECONDS = 1.0
 SIZE_FACTOR_FLOOR = 0.25           # messages shrink no further: a few packets say little
 MIN_FACTOR = 0.05                  # a machine that keeps up with nothing tried: rates / 20
-CALIBRATION_ENV = "FABRICLAB_CALIBRATION"    # where it is kept, if not the default
-DEFAULT_CALIBRATION_FILE = "/var/cache/fabriclab/calibration.json"
 
 
 @dataclass
@@ -110,12 +109,8 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
     return Calibration(best, machine(), sweep, time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def calibration_file() -> Path:
-    return Path(os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_FILE))
-
-
 def save(c: Calibration) -> Path:
-    path = calibration_file()
+    path = paths.calibration_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(asdict(c), indent=1))
@@ -126,7 +121,7 @@ def save(c: Calibration) -> Path:
 def load() -> Calibration | None:
     """This machine's calibration, if one was measured on it."""
     try:
-        c = Calibration(**json.loads(calibration_file().read_text()))
+        c = Calibration(**json.loads(paths.calibration_file().read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
     return c if c.machine == machine() else None

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab import bpf, netns, tcnl
+from lab.paths import BPF_CACHE_DIR
 from lab.errors import LabError
 from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
 SOURCE = Path(__file__).with_name("dataplane.bpf.c")
-CACHE_DIR = Path("/var/cache/fabriclab/bpf")
 PIN_DIR = bpf.BPF_FS / f"{NAME_PREFIX}dataplane"
 PRIOS = 8
 NO_SLOT = 0xFFFFFFFF
@@ -116,7 +116,7 @@ def probe() -> str | None:
 
 def _cached_object() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return CACHE_DIR / f"dataplane-{digest}.o"
+    return BPF_CACHE_DIR / f"dataplane-{digest}.o"
 
 
 def build() -> Path:
@@ -124,7 +124,7 @@ def build() -> Path:
     obj = _cached_object()
     if obj.exists():
         return obj
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    BPF_CACHE_DIR.mkdir(parents=True, exist_ok=True)
     arch = f"{platform.machine()}-linux-gnu"      # where Debian keeps asm/types.h
     tmp = obj.with_suffix(".tmp")
     r = subprocess.run(["clang", "-O2", "-target", "bpf", "-mcpu=v3", f"-I/usr/include/{arch}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import select
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controllers.routes import Forward, routes_for
-from lab import state
+from lab import paths, state
 from lab.errors import LabError
 from lab.network import FabricNetwork
 from topologies.fabric import Fabric, Host, HostInterface
@@ -27,7 +26,6 @@ from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 CPU_BOUND_FRACTION = 0.9
 # set to a directory: every agent runs under cProfile, its profile there as HOST.prof
-PROFILE_ENV = "FABRICLAB_PROFILE_DIR"
 MIN_JUDGED_S = 0.05          # collectives shorter than this say nothing about CPU
 
 
@@ -89,7 +87,7 @@ class GpuAgents:
         self.honouring: list[str] = []     # hosts whose pauses this set's transports honour
         for h in self.hosts:
             intf = h.interface(network)
-            profile = os.environ.get(PROFILE_ENV)   # a developer's view of the agents' CPU
+            profile = paths.env(paths.PROFILE_ENV)   # a developer's view of the agents' CPU
             args = [sys.executable, *(["-m", "cProfile", "-o", f"{profile}/{h.name}.prof"]
                                       if profile else []),
                     "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,

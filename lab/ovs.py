@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from shutil import which
 
+from lab import paths
 from lab.errors import LabError
 
 OVS_CTL = "/usr/share/openvswitch/scripts/ovs-ctl"
@@ -62,7 +63,7 @@ def datapath_lost_packets() -> int:
 
 def datapath() -> str:
     """'kernel' or 'user'."""
-    forced = os.environ.get("FABRICLAB_DATAPATH")
+    forced = paths.env(paths.DATAPATH_ENV)
     if forced in ("kernel", "user"):
         return forced
     return "kernel" if kernel_datapath_available() else "user"

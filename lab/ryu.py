@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.paths import RYU_VENV
 
-RYU_VENV = Path("/var/cache/fabriclab/ryu-venv")
 BOOTSTRAP = ["pbr", "wheel", "setuptools"]
 PINS = ["ryu==4.34", "eventlet==0.33.3", "dnspython>=2"]
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.paths import STATE_DIR
 
-STATE_DIR = Path(os.environ.get("FABRICLAB_STATE_DIR", "/run/fabriclab"))
 LOCK_FILE = STATE_DIR / "lock"
 PIDS_FILE = STATE_DIR / "pids.jsonl"
 

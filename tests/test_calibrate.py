@@ -4,7 +4,7 @@ import json
 import os
 
 from conftest import fabriclab
-from lab import calibrate, runner
+from lab import paths, runner
 
 
 def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
@@ -26,7 +26,7 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
 
 
 def test_calibrate_measures_and_the_runner_uses_it(tmp_path):
-    env = {**os.environ, calibrate.CALIBRATION_ENV: str(tmp_path / "calibration.json")}
+    env = {**os.environ, paths.CALIBRATION_ENV: str(tmp_path / "calibration.json")}
     # rates even a software-CPU VM keeps up with (it does 5 Mb/s)
     r = fabriclab("calibrate", "--rates", "2,4", env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

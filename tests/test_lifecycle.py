@@ -10,7 +10,7 @@ import gzip
 from pathlib import Path
 
 from conftest import FABRICLAB, REPO, fabriclab, requires_root
-from lab import cleanup
+from lab import cleanup, paths
 from lab.network import FabricNetwork
 from lab.state import RunLock
 from topologies.registry import build_topo
@@ -149,8 +149,7 @@ def test_doctor_reports_this_kernel(machine_calibration):
 
 
 def test_doctor_says_when_the_machine_is_not_calibrated(tmp_path):
-    from lab import calibrate
-    env = {**os.environ, calibrate.CALIBRATION_ENV: str(tmp_path / "none.json")}
+    env = {**os.environ, paths.CALIBRATION_ENV: str(tmp_path / "none.json")}
     r = fabriclab("doctor", env=env)
     assert "machine speed: not calibrated (`fabriclab calibrate`" in r.stdout, r.stdout
     assert json.loads(fabriclab("doctor", "--json", env=env).stdout)["calibration"] is None

@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.paths import VM_CACHE_DIR
 from lab.vm import cpio
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("FABRICLAB_VM_CACHE", "/var/cache/fabriclab/vm"))
+CACHE = VM_CACHE_DIR
 SUITE = "bookworm"
 TREE_IN_VM = "/fabriclab"               # the working tree's path inside the VM
 VENV_IN_VM = "/opt/fabriclab/venv"      # as in the Vagrantfile: off the shared folder

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab import paths
 from lab.errors import LabError
 from lab.vm import image
 from lab.vm.image import Image
@@ -79,7 +80,7 @@ def _kvm_boots(img: Image) -> tuple[bool, str]:
 def accelerator(img: Image, requested: str = "auto") -> tuple[str, str]:
     """('kvm' or 'tcg', why). The KVM probe's answer is cached per host kernel, qemu
     and image kernel, since it costs up to 15 s when KVM hangs."""
-    requested = os.environ.get("FABRICLAB_VM_ACCEL", requested)
+    requested = paths.env(paths.VM_ACCEL_ENV) or requested
     if requested in ("kvm", "tcg"):
         return requested, "requested"
     qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True,

@@ -5,6 +5,7 @@ namespace, fl-doctor), not read from a config file that may not match.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -42,8 +43,11 @@ QDISC_PROBES = {
 }
 
 
+@functools.cache
 def qdisc_available(name: str) -> bool:
-    """One live probe (e.g. "red"): what ECN mode 'auto' asks."""
+    """One live probe (e.g. "red"): what ECN mode 'auto' asks. Once per process: the
+    kernel's qdiscs do not change under a run, and each probe builds a namespace (every
+    variant's set_congestion asked again)."""
     return _qdisc_probes({name: QDISC_PROBES[name]}).get(name, False)
 
 

@@ -469,22 +469,30 @@ class CongestionControl(app_manager.OSKenApp):
             return
         # XOFF / XON for what arrives on this switch port (an ingress), decided as a
         # frame entered or left one of the switch's queues (`queue`)
-        port, prio = self.ports[(s.node, s.port)], e["prio"]
-        key = (port.device, port.port, prio)
+        port = self.ports[(s.node, s.port)]
         queue = self.slots[e["queue"]].port if e["queue"] < len(self.slots) else None
-        if e["kind"] == dataplane.EV_XOFF:
+        self.follow_xoff(port, e["prio"], now, seen, held=e["value"],
+                         threshold=e["threshold"], queue=queue)
+
+    def follow_xoff(self, port: Port, prio: int, now: float, seen: float | None = None,
+                    **detail) -> None:
+        """Pause or resume what arrives on `port` as the data path's XOFF flag for it
+        says now, not as the signal said: an XOFF and an XON decided on two CPUs at
+        once may reach the ring in the other order (seen under a software CPU: the XON
+        first, ignored; then the XOFF paused a sender that nothing would resume)."""
+        key = (port.device, port.port, prio)
+        xoff = self.table.xoff(self.slot_of[(port.device, port.port)], prio)
+        if xoff and key not in self.xoff_sent:
             # (a GPU agent's transport stops by itself: no gate to wait for)
             if not self.table.nic_honours(self.slot_of[port.peer], prio):
-                self.pausing[key] = (seen, {port.peer})
+                self.pausing[key] = (seen or now, {port.peer})
             self.send_pfc(port, prio, self.config.pause_quanta)
             self.xoff_sent[key] = now
-            self.event("xoff", port, prio=prio, held=e["value"], threshold=e["threshold"],
-                       queue=queue, t=seen)
-        elif e["kind"] == dataplane.EV_XON and key in self.xoff_sent:
+            self.event("xoff", port, prio=prio, t=seen, **detail)
+        elif not xoff and key in self.xoff_sent:
             self.send_pfc(port, prio, 0)
             del self.xoff_sent[key]
-            self.event("xon", port, prio=prio, held=e["value"], threshold=e["threshold"],
-                       queue=queue, t=seen)
+            self.event("xon", port, prio=prio, t=seen, **detail)
 
     def reconcile(self, nl: tcnl.Netlink) -> None:
         """Each switch queue's backlog as the data path counts it, against the kernel's:
@@ -525,6 +533,8 @@ class CongestionControl(app_manager.OSKenApp):
                 self.event("written_off", port, prio=prio, bytes=gone)
         for prio in lossless:
             self.reconcile_held(prio, arrived)
+            for port in self.ports.values():     # a signal lost (a full ring): caught up
+                self.follow_xoff(port, prio, time.time())
 
     def reconcile_held(self, prio: int, arrived: dict[tuple[int, int], int]) -> None:
         """What a switch's ingress ports hold waits in its queues: with every queue of
@@ -547,12 +557,8 @@ class CongestionControl(app_manager.OSKenApp):
                 port = self.ports[(sw, self.slots[slot].port)]
                 self.count(port, prio).written_off_bytes += held
                 self.event("held_written_off", port, prio=prio, bytes=held)
-                key = (sw, port.port, prio)
-                if key in self.xoff_sent:
-                    self.table.clear_xoff(slot, prio)
-                    self.send_pfc(port, prio, 0)
-                    del self.xoff_sent[key]
-                    self.event("xon", port, prio=prio, held=0)
+                self.table.clear_xoff(slot, prio)
+                self.follow_xoff(port, prio, time.time(), held=0)
 
     def gate_closed_for(self, s: dataplane.Slot, prio: int, t: float) -> None:
         """The reaction: from an ingress passing XOFF to the upstream gate closed."""

@@ -46,6 +46,39 @@ def test_red_weight_follows_tc():
     assert queues.red_burst(KMIN, KMAX) == 6 and queues.red_wlog(KMIN, KMAX) == 4
 
 
+class Programs:
+    """The data path's maps for `slots` link ends, and its programs attached to
+    interfaces in namespaces reached by a process's PID, as lab/dataplane.py does for a
+    fabric."""
+
+    def __init__(self, slots: int):
+        self.obj = bpf.ElfObject(dataplane.build())
+        ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, dataplane.PORT_BYTES, slots,
+                               flags=bpf.BPF_F_MMAPABLE, name="fl_test")
+        events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.EVENTS_BYTES,
+                                name="fl_test")
+        origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
+                                 dataplane.ORIGIN_BYTES, 1024, name="fl_test")
+        self.table = dataplane.PortTable(ports)
+        self.ring = bpf.RingBuffer(events)
+        self.maps = {"ports": ports.fd, "events": events.fd, "origins": origins.fd}
+        self.keep = (ports, events, origins)
+        self.clsact: set[tuple[int, int]] = set()
+
+    def attach(self, pid: int, intf: str, section: str, consts: dict) -> None:
+        hook = tcnl.CLSACT_EGRESS if section == "tc/egress" else tcnl.CLSACT_INGRESS
+        nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
+                                                family=socket.AF_NETLINK))
+        ifindex = netns.ifindex_in_netns(pid, intf)
+        if (pid, ifindex) not in self.clsact:
+            nl.add_clsact(ifindex)
+            self.clsact.add((pid, ifindex))
+        fd = self.obj.load(section, self.maps, consts, name="fl_test")
+        nl.attach_bpf(ifindex, hook, fd, "fl-test")
+        os.close(fd)
+        nl.close()
+
+
 class Pair:
     """Two namespaces joined by a veth: A's end is a 10 Mb/s port (htb, a byte FIFO
     far larger than the program's buffer), B's end receives."""
@@ -64,30 +97,12 @@ class Pair:
         self.procs = [subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
                       for ns in (NS_A, NS_B)]
         time.sleep(0.2)
-        obj = bpf.ElfObject(dataplane.build())
-        self.ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, dataplane.PORT_BYTES, 2,
-                                    flags=bpf.BPF_F_MMAPABLE, name="fl_test")
-        self.events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.EVENTS_BYTES,
-                                     name="fl_test")
-        self.origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
-                                      dataplane.ORIGIN_BYTES, 1024, name="fl_test")
-        self.table = dataplane.PortTable(self.ports)
-        self.ring = bpf.RingBuffer(self.events)
+        self.dp = Programs(2)
+        self.table, self.ring = self.dp.table, self.dp.ring
         self.table.set_queues(0, {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA},
                               {0: BUFFER, PRIORITY_ROCE_DATA: BUFFER})
-        maps = {"ports": self.ports.fd, "events": self.events.fd, "origins": self.origins.fd}
-        for pid, intf, section, hook, consts in (
-                (self.procs[0].pid, INTF_A, "tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": 0}),
-                (self.procs[1].pid, INTF_B, "tc/ingress", tcnl.CLSACT_INGRESS,
-                 {"port_slot": 1, "peer_slot": 0})):
-            nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
-                                                    family=socket.AF_NETLINK))
-            ifindex = netns.ifindex_in_netns(pid, intf)
-            nl.add_clsact(ifindex)
-            fd = obj.load(section, maps, consts, name="fl_test")
-            nl.attach_bpf(ifindex, hook, fd, "fl-test")
-            os.close(fd)
-            nl.close()
+        self.dp.attach(self.procs[0].pid, INTF_A, "tc/egress", {"port_slot": 0})
+        self.dp.attach(self.procs[1].pid, INTF_B, "tc/ingress", {"port_slot": 1, "peer_slot": 0})
         return self
 
     def __exit__(self, *exc):
@@ -223,42 +238,20 @@ class Router:
         self.procs = {ns: subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
                       for ns in self.NS}
         time.sleep(0.2)
-        obj = bpf.ElfObject(dataplane.build())
-        self.ports = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, dataplane.PORT_BYTES, 6,
-                                    flags=bpf.BPF_F_MMAPABLE, name="fl_test")
-        self.events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.EVENTS_BYTES,
-                                     name="fl_test")
-        self.origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
-                                      dataplane.ORIGIN_BYTES, 1024, name="fl_test")
-        self.table = dataplane.PortTable(self.ports)
-        self.ring = bpf.RingBuffer(self.events)
-        maps = {"ports": self.ports.fd, "events": self.events.fd, "origins": self.origins.fd}
-        ingress, egress = tcnl.CLSACT_INGRESS, tcnl.CLSACT_EGRESS
-        for ns, intf, section, hook, consts in (
-                (r, f"{r}-eth0", "tc/egress", egress, {"port_slot": 0}),
-                (d, f"{d}-eth0", "tc/ingress", ingress, {"port_slot": 1, "peer_slot": 0}),
-                (r, f"{r}-eth1", "tc/ingress", ingress, {"port_slot": 2, "switch_port": 1}),
-                (r, f"{r}-eth2", "tc/ingress", ingress, {"port_slot": 4, "switch_port": 1})):
-            pid = self.procs[ns].pid
-            nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
-                                                    family=socket.AF_NETLINK))
-            ifindex = netns.ifindex_in_netns(pid, intf)
-            if ifindex not in self.clsact.setdefault(ns, set()):
-                nl.add_clsact(ifindex)
-                self.clsact[ns].add(ifindex)
-            fd = obj.load(section, maps, consts, name="fl_test")
-            nl.attach_bpf(ifindex, hook, fd, "fl-test")
-            os.close(fd)
-            nl.close()
+        self.dp = Programs(6)
+        self.table, self.ring = self.dp.table, self.dp.ring
+        for ns, intf, section, consts in (
+                (r, f"{r}-eth0", "tc/egress", {"port_slot": 0}),
+                (d, f"{d}-eth0", "tc/ingress", {"port_slot": 1, "peer_slot": 0}),
+                (r, f"{r}-eth1", "tc/ingress", {"port_slot": 2, "switch_port": 1}),
+                (r, f"{r}-eth2", "tc/ingress", {"port_slot": 4, "switch_port": 1})):
+            self.dp.attach(self.procs[ns].pid, intf, section, consts)
         return self
-
-    clsact: dict = {}
 
     def __exit__(self, *exc):
         for p in getattr(self, "procs", {}).values():
             p.kill()
             p.wait()
-        self.clsact = {}
         for ns in self.NS:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 

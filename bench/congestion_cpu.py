@@ -6,7 +6,7 @@ processes at normal priority (default: one per core). For each it prints
 
   - PFC: drops anywhere, receiver NAKs, and the reaction the controller measured
     (signal: the port program saw the packet -> the app handled it; pause: the queue
-    passed XOFF -> the last upstream gate closed), p50/p99/max
+    passed XOFF -> the upstream gate closed), p50/p99/max
   - where the CPU went while the variant's traffic ran (not the fabric's build or
     teardown), per process class, as a share of all process CPU time: the lab's own
     control and observation (controller, the lab's main process with its telemetry,

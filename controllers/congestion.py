@@ -500,9 +500,8 @@ class CongestionControl(app_manager.OSKenApp):
         frame on its way to the peer arrives within microseconds), left unseen: a queue
         flushed as its link went down, or the peer's program gone with its namespace.
         They are written off (what ingress ports held of them: reconcile_held). A look
-        counts
-        only if nothing entered the queue while the kernel was asked (what arrives in
-        between would read as excess: measured, 2-5 KB under the incast)."""
+        counts only if nothing entered the queue while the kernel was asked (what
+        arrives in between would read as excess: measured, 2-5 KB under the incast)."""
         gates = {tcnl.handle(queues.gate_major(prio)): prio for prio in range(8)}
         arrived = {(slot, prio): self.table.in_bytes(slot, prio)
                    for slot in self.slot_of.values() for prio in range(8)}

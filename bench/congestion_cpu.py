@@ -10,7 +10,7 @@ processes at normal priority (default: one per core). For each it prints
   - where the CPU went while the variant's traffic ran (not the fabric's build or
     teardown), per process class, as a share of all process CPU time: the lab's own
     control and observation (controller, the lab's main process with its telemetry,
-    tcpdump) against the traffic (GPU agents) and the switches (OVS)
+    the PFC sender, tcpdump) against the traffic (GPU agents) and the switches (OVS)
 
     sudo .venv/bin/python bench/congestion_cpu.py [--load N] [--runs N] [--set k=v ...]
 """
@@ -30,7 +30,9 @@ sys.path.insert(0, str(REPO))
 from controllers import protocol  # noqa: E402  (the repo is not installed as a package)
 FABRICLAB = [str(Path(sys.executable).parent / "fabriclab")]
 TICK_S = os.sysconf("SC_CLK_TCK")
-CLASSES = ("controller", "lab (main, telemetry)", "gpu agents", "ovs", "tcpdump", "other")
+CLASSES = ("controller", "lab (main, telemetry)", "pfc sender", "gpu agents", "ovs", "tcpdump",
+           "other")
+OWN = ("controller", "lab (main, telemetry)", "pfc sender", "tcpdump")
 
 
 def classify(cmdline: str, lab_pid: int, pid: int) -> str | None:
@@ -38,6 +40,8 @@ def classify(cmdline: str, lab_pid: int, pid: int) -> str | None:
         return "lab (main, telemetry)"
     if "controllers.launch" in cmdline:
         return "controller"
+    if "pfc-sender" in cmdline:
+        return "pfc sender"
     if "traffic.agent" in cmdline:
         return "gpu agents"
     if "ovs-vswitchd" in cmdline:
@@ -128,7 +132,7 @@ def one_run(load: int, settings: list[str]) -> dict:
 
 def show(label: str, r: dict) -> None:
     total = sum(r["cpu"].values()) or 1.0
-    own = r["cpu"]["controller"] + r["cpu"]["lab (main, telemetry)"]
+    own = sum(r["cpu"][c] for c in OWN)
     print(f"{label}: congestion data path {r['datapath']}; drops {r['drops']}, receiver "
           f"NAKs {r['naks']}")
     for name, h in r["reaction"].items():

@@ -89,6 +89,10 @@ STATE_EVERY_S = 0.1
 IDLE_POLL_S = 0.05
 RECONCILE_S = 0.1       # the data path's backlogs against the kernel's, this often
 RECONCILE_SLACK_BYTES = 1600    # a frame in flight to the peer: not a discrepancy
+# a port's last PFC frame disagreeing with its flag this long, with no new decision, is
+# sent by this app: the PFC sender (lab/pfc_sender.c) woke late or not at all (a busy
+# machine delays its wake-up by milliseconds; the refresh quanta are seconds)
+RESYNC_S = 0.05
 REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)
 LOCAL_EXPERIMENTAL_ETHERTYPE = 0x88B5   # IEEE 802: for local experiments, never routed
 # SO_PRIORITY naming the htb root itself (1:0): htb sends the frame directly, ahead of
@@ -178,6 +182,9 @@ class CongestionControl(app_manager.OSKenApp):
         self.slots = dataplane.slots(self.fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
         self.reaction = {"signal": GapHistogram(), "pause": GapHistogram()}
+        # (ingress, priority) -> (its decision count, since when) while its last PFC
+        # frame disagrees with its flag (follow_xoff)
+        self.disagreed: dict[tuple[str, int, int], tuple[int, float]] = {}
         # XOFF (switch, port, prio) -> when, and the gates still to close
         self.pausing: dict[tuple[str, int, int], tuple[float, set]] = {}
         self.headroom: dict[tuple[str, int], dict] = {}   # egress port -> needed, kept
@@ -411,6 +418,7 @@ class CongestionControl(app_manager.OSKenApp):
                 self.table.set_pfc(slot, prio, xoff, xon, headroom, c.pfc_alpha)
                 if not xoff:
                     self.table.clear_xoff(slot, prio)
+            self.table.set_pause_quanta(slot, c.pause_quanta)
 
     def headroom_bytes(self, port: Port, prio: int, limit: int, c: CongestionConfig) -> int:
         """What `port`'s queue keeps for the frames its feeders send after being told
@@ -431,8 +439,10 @@ class CongestionControl(app_manager.OSKenApp):
         return kept
 
     def signals(self):
-        """What the port programs signal (XOFF, XON, a pause frame arrived), handled
-        as it comes; between signals, pause refreshes, gate expiry and the watchdog."""
+        """What the port programs signal, as it comes when it needs this app (a pause
+        frame arrived: a gate to close; a PFC frame nobody could send), else in batches
+        (decisions the data path carried out: the log, the pause refreshes); then each
+        port a decision touched made to follow its flag once (follow_xoff)."""
         while True:
             try:
                 wait_readable(self.ring, IDLE_POLL_S)
@@ -440,22 +450,32 @@ class CongestionControl(app_manager.OSKenApp):
                 with self.lock:
                     now = time.time()
                     mono_ns = time.monotonic_ns()
+                    touched: dict[tuple[str, int, int], tuple[Port, float, bool]] = {}
                     for raw in records:
                         e = dataplane.parse_event(raw)
-                        self.on_signal(e, now, now - (mono_ns - e["t_ns"]) / 1e9)
+                        seen = now - (mono_ns - e["t_ns"]) / 1e9
+                        port = self.on_signal(e, now, seen)
+                        if port is not None:
+                            key = (port.device, port.port, e["prio"])
+                            unsent = not e["sent"] or touched.get(key, (0, 0, False))[2]
+                            touched[key] = (port, seen, unsent)
+                    for (_, _, prio), (port, seen, unsent) in touched.items():
+                        self.follow_xoff(port, prio, now, seen, at_once=unsent)
                     self.refresh_pauses(now)
             except Exception:   # keep the switches' congestion handling alive; say why
                 self.logger.exception("data path signals")
 
-    def on_signal(self, e: dict, now: float, seen: float) -> None:
-        """seen: when the program saw the packet (wall clock)."""
+    def on_signal(self, e: dict, now: float, seen: float) -> Port | None:
+        """seen: when the program saw the packet (wall clock). An XOFF or XON is logged
+        as decided; returns the ingress port it decided for."""
         s = self.slots[e["slot"]]
-        self.reaction["signal"].add(now - seen)
+        if e["kind"] == dataplane.EV_PAUSE_RX or not e["sent"]:
+            self.reaction["signal"].add(now - seen)     # what waited for this app
         if e["kind"] == dataplane.EV_PAUSE_RX:
             port = self.ports.get((s.node, s.port)) or self.host_port(s.node, s.port,
                                                                       self.link_rate(s))
             if port is None:
-                return
+                return None
             for prio in range(8):
                 if not e["value"] >> prio & 1:
                     continue
@@ -466,33 +486,52 @@ class CongestionControl(app_manager.OSKenApp):
                     self.gate_closed_for(s, prio, time.time())
                 else:
                     self.open_gate(port, prio, now)
-            return
+            return None
         # XOFF / XON for what arrives on this switch port (an ingress), decided as a
         # frame entered or left one of the switch's queues (`queue`)
         port = self.ports[(s.node, s.port)]
         queue = self.slots[e["queue"]].port if e["queue"] < len(self.slots) else None
-        self.follow_xoff(port, e["prio"], now, seen, held=e["value"],
-                         threshold=e["threshold"], queue=queue)
+        self.event("xoff" if e["kind"] == dataplane.EV_XOFF else "xon", port, prio=e["prio"],
+                   t=seen, held=e["value"], threshold=e["threshold"], queue=queue,
+                   sent=e["sent"])
+        return port
 
     def follow_xoff(self, port: Port, prio: int, now: float, seen: float | None = None,
-                    **detail) -> None:
-        """Pause or resume what arrives on `port` as the data path's XOFF flag for it
-        says now, not as the signal said: an XOFF and an XON decided on two CPUs at
-        once may reach the ring in the other order (seen under a software CPU: the XON
-        first, ignored; then the XOFF paused a sender that nothing would resume)."""
+                    signal: str | None = None, at_once: bool = False, **detail) -> None:
+        """Make the PFC frames `port` sends for `prio` say what the data path's XOFF
+        flag for it says now. The programs send most frames themselves, as they decide;
+        user space sends what they could not (an XON decided on a host's end of a link:
+        another namespace than the switch's ports), and catches up where the last frame
+        on the wire (the port's egress program notes it) disagrees with the flag: two
+        decisions on two CPUs at once may send, or signal, in the other order. A frame
+        the data path is still sending (the PFC sender takes ~0.1 ms to wake) looks the
+        same for a moment: such a disagreement is acted on once it lasted, with no new
+        decision, RESYNC_S, or `at_once` (the data path said nobody sent it).
+        `signal`: a decision made here ("xoff", "xon"), logged, its frame sent at once."""
         key = (port.device, port.port, prio)
-        xoff = self.table.xoff(self.slot_of[(port.device, port.port)], prio)
+        slot = self.slot_of[(port.device, port.port)]
+        if signal:
+            self.event(signal, port, prio=prio, t=seen, **detail)
+        xoff = self.table.xoff(slot, prio)
+        if xoff != self.table.wire_xoff(slot, prio):
+            decided = self.table.decisions(slot, prio)
+            since = self.disagreed.get(key)
+            if since is None or since[0] != decided:
+                since = self.disagreed[key] = (decided, now)
+            if at_once or signal or now - since[1] >= RESYNC_S:
+                self.disagreed.pop(key, None)
+                self.send_pfc(port, prio, self.config.pause_quanta if xoff else 0)
+                if signal != ("xoff" if xoff else "xon"):
+                    self.event("xoff" if xoff else "xon", port, prio=prio, caught_up=True)
+        else:
+            self.disagreed.pop(key, None)
         if xoff and key not in self.xoff_sent:
             # (a GPU agent's transport stops by itself: no gate to wait for)
             if not self.table.nic_honours(self.slot_of[port.peer], prio):
                 self.pausing[key] = (seen or now, {port.peer})
-            self.send_pfc(port, prio, self.config.pause_quanta)
             self.xoff_sent[key] = now
-            self.event("xoff", port, prio=prio, t=seen, **detail)
-        elif not xoff and key in self.xoff_sent:
-            self.send_pfc(port, prio, 0)
-            del self.xoff_sent[key]
-            self.event("xon", port, prio=prio, t=seen, **detail)
+        elif not xoff:
+            self.xoff_sent.pop(key, None)
 
     def reconcile(self, nl: tcnl.Netlink) -> None:
         """Each switch queue's backlog as the data path counts it, against the kernel's:
@@ -558,7 +597,7 @@ class CongestionControl(app_manager.OSKenApp):
                 self.count(port, prio).written_off_bytes += held
                 self.event("held_written_off", port, prio=prio, bytes=held)
                 self.table.clear_xoff(slot, prio)
-                self.follow_xoff(port, prio, time.time(), held=0)
+                self.follow_xoff(port, prio, time.time(), signal="xon", held=0)
 
     def gate_closed_for(self, s: dataplane.Slot, prio: int, t: float) -> None:
         """The reaction: from an ingress passing XOFF to the upstream gate closed."""
@@ -600,15 +639,16 @@ class CongestionControl(app_manager.OSKenApp):
         out = {}
         for i, s in enumerate(self.slots):
             for prio in range(8):
-                c = self.table.counters(i, prio)
-                d = {"pause_frames_sent": c["pfc_tx_pause"] + c["pfc_tx_resume"],
-                     "pause_frames_received": c["pfc_rx_pause"] + c["pfc_rx_resume"],
-                     "xoff_frames_sent": c["pfc_tx_pause"], "xon_frames_sent": c["pfc_tx_resume"],
-                     "xoff_frames_received": c["pfc_rx_pause"],
-                     "xon_frames_received": c["pfc_rx_resume"],
-                     "ce_marked_packets": c["ce_marked"]}
-                if any(d.values()):
-                    out[(s.node, s.port, prio)] = d
+                counts = self.table.pfc_and_marks(i, prio)
+                if not any(counts):
+                    continue
+                tx_pause, tx_resume, rx_pause, rx_resume, ce = counts
+                out[(s.node, s.port, prio)] = {
+                    "pause_frames_sent": tx_pause + tx_resume,
+                    "pause_frames_received": rx_pause + rx_resume,
+                    "xoff_frames_sent": tx_pause, "xon_frames_sent": tx_resume,
+                    "xoff_frames_received": rx_pause, "xon_frames_received": rx_resume,
+                    "ce_marked_packets": ce}
         return out
 
     # --- gates: this switch honouring a pause on one of its egress ports --------------
@@ -810,7 +850,7 @@ class CongestionControl(app_manager.OSKenApp):
         for key in wire:
             self.count_key(key)
         for (sw, p, prio), c in self.counters.items():
-            d = {**asdict(c), **wire.get((sw, p, prio), {})}
+            d = {**vars(c), **wire.get((sw, p, prio), {})}     # (asdict: 10x slower)
             g = self.gates.get((sw, p, prio))
             if g:   # a gate still closed counts its time so far
                 d["paused_s"] += now - g["since"]

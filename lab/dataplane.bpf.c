@@ -42,109 +42,13 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
-#define PRIOS 8
-#define NO_SLOT 0xffffffff
-#define MAC_CONTROL 0x8808
-#define OPCODE_PAUSE 0x0001
-#define OPCODE_PFC 0x0101
-#define AVG_SHIFT 10            /* RED's average backlog in bytes << AVG_SHIFT */
-#define EV_XOFF 1
-#define EV_XON 2
-#define EV_PAUSE_RX 3
-#define ORIGIN_L4_BYTES 20      /* UDP + RoCE's BTH (opcode, QP, PSN); TCP's header */
-
-/* lab/dataplane.py declares the same layouts (PORT, EVENT): change both together */
-struct prio_cfg {
-	__u32 limit_bytes;      /* the priority's buffer; a frame that does not fit is dropped */
-	__u32 xoff_bytes;       /* 0: not lossless; else the most an ingress may hold */
-	__u32 xon_bytes;
-	__u32 nic_honours;      /* 1: the NIC at this link end (a GPU agent's transport)
-				 * stops this priority itself when a pause arrives: no gate */
-	__u32 headroom_bytes;   /* of limit_bytes, kept for what arrives after pauses */
-	__u32 alpha_q8;         /* the dynamic threshold's alpha x 256 */
-};
-
-struct prio_state {
-	__u64 in_bytes;         /* admitted into the queue */
-	__u64 out_bytes;        /* left it (seen on the peer's ingress) */
-	__u64 in_packets;
-	__u64 out_packets;
-	__u64 drop_packets;
-	__u64 drop_bytes;
-	__u64 ce_marked;
-	__u64 avg_scaled;       /* RED's average backlog << AVG_SHIFT */
-	__u64 idle_since_ns;    /* when the queue last ran empty */
-	__u64 xoff_signals;     /* XOFF / XON decisions signalled to user space */
-	__u64 xon_signals;
-	__u64 pfc_tx_pause;     /* PFC frames this port sent with this priority paused... */
-	__u64 pfc_tx_resume;    /* ...or resumed (pause time 0) */
-	__u64 pfc_rx_pause;     /* and received */
-	__u64 pfc_rx_resume;
-	__u64 rx_packets;       /* arrived on this port's ingress (into its switch) */
-	__u64 rx_bytes;
-	__u64 red_r;            /* RED: marks/packets threshold drawn at the last mark */
-	__u64 out_adjust;       /* bytes user space found gone without being seen leaving */
-	__u64 paused_until_ns;  /* a pause frame received holds this priority until then */
-	__u64 held_in_bytes;    /* as an ingress: bytes that entered the switch here, queued */
-	__u64 held_out_bytes;   /* ...and left their queue */
-	__u64 held_adjust;      /* bytes user space found charged to this port and gone */
-	__u64 unattributed;     /* lossless frames queued here whose ingress is unknown */
-	__u32 xoff;             /* 1 while XOFF is signalled for this port as an ingress */
-	__s32 red_count;        /* RED: packets since the last mark (-1: outside Kmin..Kmax) */
-};
-
-struct port {
-	__u32 ecn_prio_mask;    /* priorities whose ECT frames may be marked CE */
-	__u32 kmin_bytes;
-	__u32 kmax_bytes;
-	__u32 pmax_u32;         /* Pmax * 2^32 */
-	__u32 wlog;             /* RED's EWMA weight: 2^-wlog */
-	__u32 packet_ns;        /* an average packet's time on the link (idle decay) */
-	__u32 quantum_ns;       /* a pause quantum (512 bit times) on this port's link */
-	__u32 pad;
-	__u8 dscp_prio[64];
-	struct prio_cfg cfg[PRIOS];
-	struct prio_state q[PRIOS];
-};
-
-struct event {
-	__u64 t_ns;
-	__u32 kind;
-	__u32 slot;
-	__u32 prio;
-	__u32 value;            /* the ingress's bytes held (XOFF/XON), or the class-enable
-				 * vector (PAUSE_RX) */
-	__u16 quanta[PRIOS];    /* PAUSE_RX: pause time per priority */
-	__u32 queue;            /* XOFF/XON: the queue (slot) the deciding frame entered or left */
-	__u32 threshold;        /* XOFF/XON: the threshold it was held against */
-};
-
-/* A frame on its way through the fabric, by what OVS leaves as it is */
-struct origin_key {
-	__u32 saddr;
-	__u32 daddr;
-	__u16 id;
-	__u16 tot_len;
-	__u32 protocol;
-	__u8 l4[ORIGIN_L4_BYTES];
-};
-
-struct origin {
-	__u32 ingress;          /* the port it entered its current switch through */
-	__u32 queue;            /* the queue it is charged to (NO_SLOT: none yet) */
-	__u32 len;
-	__u32 prio;
-};
-
-_Static_assert(sizeof(struct port) == 1888, "lab/dataplane.py's PORT_BYTES");
-_Static_assert(sizeof(struct event) == 48, "lab/dataplane.py's EVENT");
-_Static_assert(sizeof(struct origin_key) == 36, "lab/dataplane.py's ORIGIN_KEY_BYTES");
-_Static_assert(sizeof(struct origin) == 16, "lab/dataplane.py's ORIGIN_BYTES");
+#include "dataplane.h"
 
 /* The maps: the loader creates them (no BTF needed) and binds these symbols. */
 char ports[4] SEC("maps");
 char events[4] SEC("maps");
 char origins[4] SEC("maps");    /* LRU hash: origin_key -> origin */
+char sends[4] SEC("maps");      /* ring of send_request, read by lab/pfc_sender.c */
 
 volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
 volatile const __u32 peer_slot = NO_SLOT;   /* the port at the other end (ingress) */
@@ -183,8 +87,12 @@ static __always_inline __u64 backlog_of(struct prio_state *q)
 	return in > out ? in - out : 0;
 }
 
+/* A decision for user space: a frame it must send now (sent 0) wakes it; one the
+ * program sent waits for its next look (its log and its counts are not urgent). The
+ * wake-up is forced: by default the ring wakes its reader only for a record at the
+ * head, and records left waiting may be ahead of this one. */
 static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 value,
-				   __u32 queue, __u32 threshold)
+				   __u32 queue, __u32 threshold, __u32 sent)
 {
 	struct event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 
@@ -198,7 +106,8 @@ static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 val
 	e->value = value;
 	e->queue = queue;
 	e->threshold = threshold;
-	bpf_ringbuf_submit(e, 0);
+	e->sent = sent;
+	bpf_ringbuf_submit(e, sent ? BPF_RB_NO_WAKEUP : BPF_RB_FORCE_WAKEUP);
 }
 
 static __always_inline __u64 held_of(struct prio_state *q)
@@ -308,12 +217,6 @@ static __always_inline void mark_ce(struct __sk_buff *skb, struct iphdr *ip)
 	bpf_skb_store_bytes(skb, ETH_HLEN + __builtin_offsetof(struct iphdr, tos), &tos, 1, 0);
 }
 
-struct mac_control {
-	__be16 opcode;
-	__be16 enable;          /* PFC: class-enable vector; PAUSE: the pause time */
-	__be16 time[PRIOS];
-};
-
 /* A PFC or PAUSE frame's fields (the caller checked the EtherType); a PAUSE frame
  * reads as a PFC frame pausing every priority. 0 if it is neither. */
 static __always_inline int mac_control(struct __sk_buff *skb, struct mac_control *mc)
@@ -353,11 +256,77 @@ static __always_inline void count_mac_control(struct port *p, struct mac_control
 			continue;
 		if (!tx)
 			p->q[i].paused_until_ns = t ? now + t * p->quantum_ns : 0;
+		else
+			p->q[i].wire_xoff = t != 0;
 		if (t)
 			__sync_fetch_and_add(tx ? &p->q[i].pfc_tx_pause : &p->q[i].pfc_rx_pause, 1);
 		else
 			__sync_fetch_and_add(tx ? &p->q[i].pfc_tx_resume : &p->q[i].pfc_rx_resume, 1);
 	}
+}
+
+/* The PFC frame for `prio` out of switch port `in`, as its MAC sends one: at once,
+ * without user space. A copy of the frame in hand goes to the port's egress, whose
+ * program turns it into the PFC frame (pfc_frame). 0 if sent; else user space must
+ * send it (a port without a device here: its PFC frames leave from user space). */
+static __always_inline int send_pfc(struct __sk_buff *skb, struct port *in, __u32 prio,
+				    int xoff)
+{
+	__u32 mark = skb->mark;
+	int err;
+
+	if (!in->ifindex || (xoff && !in->pause_quanta))
+		return -1;
+	skb->mark = PFC_MARK | (xoff ? PFC_MARK_XOFF : 0) | (prio & (PRIOS - 1));
+	err = bpf_clone_redirect(skb, in->ifindex, 0);
+	skb->mark = mark;
+	return err;
+}
+
+/* A decision for ingress port `slot` (in): its PFC frame sent at once if this program
+ * can reach the port's device (`here`), and lab/pfc_sender.c told in every case: it
+ * sends what was not sent, from the switch's namespace, and looks again a moment
+ * later (two decisions on two CPUs may send their frames in the other order: the
+ * port's last frame must say what its flag says). 1 if the frame was sent or handed
+ * over (0: the ring is full, no sender reads it: user space, woken, sends it). */
+static __always_inline int carry_out(struct __sk_buff *skb, struct port *in, __u32 slot,
+				     __u32 prio, int xoff, int here)
+{
+	int sent = here && send_pfc(skb, in, prio, xoff) == 0;
+	struct send_request *r = bpf_ringbuf_reserve(&sends, sizeof(*r), 0);
+
+	if (!r)
+		return sent;
+	r->slot = slot;
+	r->prio = prio;
+	bpf_ringbuf_submit(r, BPF_RB_FORCE_WAKEUP);
+	return 1;
+}
+
+/* A copy marked by send_pfc, on its way out of port p: becomes p's PFC frame, sent
+ * past the port's queues (as the controller's own frames are: htb-direct). */
+static __always_inline int pfc_frame(struct __sk_buff *skb, struct port *p)
+{
+	__u32 prio = skb->mark & (PRIOS - 1);
+	int xoff = !!(skb->mark & PFC_MARK_XOFF);
+	struct pfc f;
+
+	__builtin_memset(&f, 0, sizeof(f));
+	f.dst[0] = 0x01;
+	f.dst[1] = 0x80;
+	f.dst[2] = 0xc2;
+	f.dst[5] = 0x01;
+	__builtin_memcpy(f.src, p->mac, ETH_ALEN);
+	f.type = bpf_htons(MAC_CONTROL);
+	f.mc.opcode = bpf_htons(OPCODE_PFC);
+	f.mc.enable = bpf_htons(1 << prio);
+	f.mc.time[prio] = bpf_htons(xoff ? p->pause_quanta : 0);
+	skb->mark = 0;
+	if (bpf_skb_change_tail(skb, sizeof(f), 0) || bpf_skb_store_bytes(skb, 0, &f, sizeof(f), 0))
+		return TC_ACT_SHOT;
+	skb->priority = HTB_DIRECT;
+	count_mac_control(p, &f.mc, 1, 0);
+	return TC_ACT_OK;
 }
 
 /* A lossless frame just queued on this port (p, its priority's state q): charged to
@@ -390,7 +359,8 @@ static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p
 	threshold = xoff_threshold(&p->cfg[prio], backlog);
 	if (held >= threshold && __sync_val_compare_and_swap(&h->xoff, 0, 1) == 0) {
 		__sync_fetch_and_add(&h->xoff_signals, 1);
-		notify(EV_XOFF, o->ingress, prio, held, port_slot, threshold);
+		notify(EV_XOFF, o->ingress, prio, held, port_slot, threshold,
+		       carry_out(skb, in, o->ingress, prio, 1, 1));
 	}
 }
 
@@ -420,7 +390,10 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 			if (h->xoff && held <= threshold
 			    && __sync_val_compare_and_swap(&h->xoff, 1, 0) == 1) {
 				__sync_fetch_and_add(&h->xon_signals, 1);
-				notify(EV_XON, o->ingress, prio, held, peer_slot, threshold);
+				/* sent here only from the switch's side: a host's end
+				 * lives in another namespace than the switch's ports */
+				notify(EV_XON, o->ingress, prio, held, peer_slot, threshold,
+				       carry_out(skb, in, o->ingress, prio, 0, switch_port));
 			}
 		}
 		o->queue = NO_SLOT;
@@ -451,6 +424,8 @@ int port_egress(struct __sk_buff *skb)
 
 	if (!p)
 		return TC_ACT_OK;
+	if ((skb->mark & PFC_MARK_MASK) == PFC_MARK)
+		return pfc_frame(skb, p);
 	if (skb->protocol == bpf_htons(MAC_CONTROL)) {
 		struct mac_control mc;
 
@@ -519,7 +494,11 @@ int port_ingress(struct __sk_buff *skb)
 		e->value = enable;
 		for (i = 0; i < PRIOS; i++)
 			e->quanta[i] = bpf_ntohs(mc.time[i]);
-		bpf_ringbuf_submit(e, 0);
+		e->queue = 0;
+		e->threshold = 0;
+		e->sent = 0;
+		e->pad = 0;
+		bpf_ringbuf_submit(e, BPF_RB_FORCE_WAKEUP);  /* a gate to close: urgent */
 		/* a switch's MAC acts on a pause frame and forwards it nowhere (a capture on
 		 * the port still shows it: taps see frames before this hook); a GPU host's
 		 * transport reads it too, as its NIC's driver would report it */

@@ -12,8 +12,13 @@ Kmax, Pmax, each lossless priority's XOFF/XON) and the counters the programs
 keep (bytes in and out of each priority's queue, drops, CE marks; as an ingress,
 the bytes that entered there and wait in the switch's queues, its XOFF/XON
 signals; PFC frames sent and received). The array is mapped into user space,
-so reading every port's counters costs no system call. XOFF, XON and received
-pause frames also go to a ring buffer, which the controller app waits on. A
+so reading every port's counters costs no system call. A switch port's programs
+send its PFC frames themselves as they decide them; an XON decided on a host's end
+of a link (another namespace) goes to a small ring read by the PFC sender
+(lab/pfc_sender.c, a process started with the programs). XOFF, XON and received
+pause frames also go to a ring buffer that the controller app reads: at once for a
+pause frame received (a gate to close) or a frame nobody sent, otherwise in
+batches (its log, its counts). A
 lossless frame's ingress port is remembered in an LRU hash (`origins`) from the
 switch's ingress to its egress, where the frame is charged to it.
 
@@ -24,6 +29,7 @@ not), a lab object like its namespaces: `remove_pins()` runs at teardown and in
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -33,18 +39,22 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import bpf, netns, tcnl
+from lab import bpf, netns, state, tcnl
 from lab.paths import BPF_CACHE_DIR
 from lab.errors import LabError
 from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("dataplane.bpf.c")
+HEADER = SOURCE.with_name("dataplane.h")            # the layouts both sides share
+SENDER = SOURCE.with_name("pfc_sender.c")
 PIN_DIR = bpf.BPF_FS / f"{NAME_PREFIX}dataplane"
 PRIOS = 8
 NO_SLOT = 0xFFFFFFFF
-EVENTS_BYTES = 1 << 20          # the ring buffer: ~21k events
+EVENTS_BYTES = 1 << 20          # the ring buffer: ~18k events
+SENDS_BYTES = 1 << 16           # PFC frames handed to the sender: ~4k
 # frames on their way through a switch, remembered by content (struct origin_key):
 # far more than the fabric's buffers hold (64 KB per queue: ~60 frames)
 ORIGINS = 1 << 16
@@ -52,38 +62,45 @@ ORIGIN_KEY_BYTES, ORIGIN_BYTES = 36, 16
 AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
-# ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, pad, dscp
-_HEAD = struct.Struct("=8I64s")
-HEAD_DSCP, HEAD_QUANTUM = 8, 6
+# ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, ifindex, dscp, mac,
+# pause_quanta
+_HEAD = struct.Struct("=8I64s6sH")
+HEAD_QUANTUM, HEAD_IFINDEX, HEAD_DSCP, HEAD_MAC, HEAD_PAUSE_QUANTA = 6, 7, 8, 9, 10
 # limit, xoff, xon, nic_honours, headroom, alpha_q8
 _CFG = struct.Struct("=6I")
 CFG_NIC = 3
-_STATE = struct.Struct("=24QIi")
+_STATE = struct.Struct("=24QIiII")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
                 "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
                 "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust",
                 "paused_until_ns", "held_in_bytes", "held_out_bytes", "held_adjust",
-                "unattributed", "xoff", "red_count")
+                "unattributed", "xoff", "red_count", "wire_xoff", "pad")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
 HELD_ADJUST_AT = STATE_FIELDS.index("held_adjust") * 8
 HELD_AT = STATE_FIELDS.index("held_in_bytes") * 8
 # in_bytes .. ce_marked, then out_adjust and paused_until_ns: what telemetry needs
 _QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}x2Q")
+# ce_marked, then pfc_tx_pause .. pfc_rx_resume
+_PFC_AND_MARKS = struct.Struct(f"={STATE_FIELDS.index('ce_marked') * 8}xQ"
+                               f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
+DECIDED_AT = STATE_FIELDS.index("xoff_signals") * 8       # then xon_signals
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
+WIRE_XOFF_AT = XOFF_AT + 8
 CFG_AT = _HEAD.size
 STATE_AT = CFG_AT + PRIOS * _CFG.size
 # struct event
-EVENT = struct.Struct("=QIIII8HII")
+EVENT = struct.Struct("=QIIII8HIII4x")
 EV_XOFF, EV_XON, EV_PAUSE_RX = 1, 2, 3
 
 
 def unavailable() -> str | None:
     """None if the data path can run here; else what is missing (doctor says it)."""
-    if shutil.which("clang") is None and not _cached_object().exists():
-        return "clang is missing (apt-get install clang llvm libbpf-dev)"
-    if not Path("/usr/include/bpf/bpf_helpers.h").exists() and not _cached_object().exists():
+    built = _cached_object().exists() and _cached(SENDER, "pfc-sender").exists()
+    if shutil.which("clang") is None and not built:
+        return "clang is missing (apt-get install clang llvm libbpf-dev libc6-dev)"
+    if not Path("/usr/include/bpf/bpf_helpers.h").exists() and not built:
         return "libbpf's headers are missing (apt-get install libbpf-dev)"
     return bpf.available()
 
@@ -100,40 +117,54 @@ def probe() -> str | None:
         events = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096, name="fl_probe")
         origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
                                  64, name="fl_probe")
+        sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096, name="fl_probe")
         try:
             for section in ("tc/egress", "tc/ingress"):
                 os.close(obj.load(section, {"ports": ports.fd, "events": events.fd,
-                                            "origins": origins.fd},
+                                            "origins": origins.fd, "sends": sends.fd},
                                   {"port_slot": 0}, name="fl_probe"))
+            build_sender()
         finally:
-            ports.close()
-            events.close()
-            origins.close()
+            for m in (ports, events, origins, sends):
+                m.close()
     except (LabError, OSError) as e:
         return str(e).splitlines()[0]
     return None
 
 
+def _cached(source: Path, name: str) -> Path:
+    digest = hashlib.sha256(source.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
+    return BPF_CACHE_DIR / f"{name}-{digest}"
+
+
 def _cached_object() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return BPF_CACHE_DIR / f"dataplane-{digest}.o"
+    return _cached(SOURCE, "dataplane").with_suffix(".o")
+
+
+def _compile(source: Path, out: Path, *flags: str) -> Path:
+    """`source` compiled once per version of it and of the shared header."""
+    if out.exists():
+        return out
+    BPF_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    arch = f"{platform.machine()}-linux-gnu"      # where Debian keeps asm/types.h
+    tmp = out.with_suffix(".tmp")
+    r = subprocess.run(["clang", "-O2", *flags, f"-I/usr/include/{arch}", str(source),
+                        "-o", str(tmp)], capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"could not compile {source.name} with clang: "
+                       f"{r.stderr.strip()[-400:]}")
+    tmp.replace(out)
+    return out
 
 
 def build() -> Path:
-    """The compiled object, built once per version of the source."""
-    obj = _cached_object()
-    if obj.exists():
-        return obj
-    BPF_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    arch = f"{platform.machine()}-linux-gnu"      # where Debian keeps asm/types.h
-    tmp = obj.with_suffix(".tmp")
-    r = subprocess.run(["clang", "-O2", "-target", "bpf", "-mcpu=v3", f"-I/usr/include/{arch}",
-                        "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-    if r.returncode:
-        raise LabError(f"could not compile {SOURCE.name} with clang: "
-                       f"{r.stderr.strip()[-400:]}")
-    tmp.replace(obj)
-    return obj
+    """The programs' object."""
+    return _compile(SOURCE, _cached_object(), "-target", "bpf", "-mcpu=v3", "-c")
+
+
+def build_sender() -> Path:
+    """The PFC sender's executable (lab/pfc_sender.c)."""
+    return _compile(SENDER, _cached(SENDER, "pfc-sender"))
 
 
 @dataclass
@@ -212,9 +243,22 @@ class PortTable:
 
     def set_link(self, slot: int, rate_mbps: float) -> None:
         """The port's link rate, as the programs need it: a pause quantum's time."""
+        self._head(slot, {HEAD_QUANTUM: round(pause.quantum_s(rate_mbps * 1e6) * 1e9)})
+
+    def set_mac(self, slot: int, ifindex: int, mac: str) -> None:
+        """A switch port's device (its ifindex in the namespace of the switch's ports)
+        and MAC: its programs send its PFC frames themselves (without: user space)."""
+        self._head(slot, {HEAD_IFINDEX: ifindex, HEAD_MAC: bytes.fromhex(mac.replace(":", ""))})
+
+    def set_pause_quanta(self, slot: int, quanta: int) -> None:
+        """The pause time of the XOFF frames the port's programs send."""
+        self._head(slot, {HEAD_PAUSE_QUANTA: quanta})
+
+    def _head(self, slot: int, change: dict[int, object]) -> None:
         at = self._at(slot)
         head = list(_HEAD.unpack_from(self.mem, at))
-        head[HEAD_QUANTUM] = round(pause.quantum_s(rate_mbps * 1e6) * 1e9)
+        for i, v in change.items():
+            head[i] = v
         _HEAD.pack_into(self.mem, at, *head)
 
     def set_pfc(self, slot: int, prio: int, xoff_bytes: int, xon_bytes: int,
@@ -252,7 +296,17 @@ class PortTable:
         struct.pack_into("=Q", self.mem, at, struct.unpack_from("=Q", self.mem, at)[0] + nbytes)
 
     def xoff(self, slot: int, prio: int) -> bool:
+        """XOFF decided for this port as an ingress (the data path's flag)."""
         return bool(struct.unpack_from("=I", self.mem, self._state_at(slot, prio) + XOFF_AT)[0])
+
+    def decisions(self, slot: int, prio: int) -> int:
+        """How many XOFF and XON decisions the programs made for this ingress."""
+        return sum(struct.unpack_from("=2Q", self.mem, self._state_at(slot, prio) + DECIDED_AT))
+
+    def wire_xoff(self, slot: int, prio: int) -> bool:
+        """The last PFC frame this port sent for `prio` paused it (else resumed it)."""
+        return bool(struct.unpack_from("=I", self.mem,
+                                       self._state_at(slot, prio) + WIRE_XOFF_AT)[0])
 
     def write_off(self, slot: int, prio: int, nbytes: int) -> None:
         """Bytes that left the queue unseen (user space is this field's only writer)."""
@@ -278,6 +332,12 @@ class PortTable:
             self.mem, self._state_at(slot, prio))
         return max(0, inb - outb - adjust), max(0, inp - outp), outp, drops, ce, paused_until
 
+    def pfc_and_marks(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
+        """(PFC frames sent pausing, sent resuming, received pausing, received
+        resuming, CE marks): what the controller reports of every port, in one unpack."""
+        ce, *pfc = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, prio))
+        return (*pfc, ce)
+
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
 
@@ -292,9 +352,9 @@ class PortTable:
 
 
 def parse_event(raw: bytes) -> dict:
-    t_ns, kind, slot, prio, value, *quanta, queue, threshold = EVENT.unpack_from(raw)
+    t_ns, kind, slot, prio, value, *quanta, queue, threshold, sent = EVENT.unpack_from(raw)
     return {"t_ns": t_ns, "kind": kind, "slot": slot, "prio": prio, "value": value,
-            "quanta": quanta, "queue": queue, "threshold": threshold}
+            "quanta": quanta, "queue": queue, "threshold": threshold, "sent": bool(sent)}
 
 
 def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:
@@ -304,11 +364,14 @@ def open_events(pin_dir: Path = PIN_DIR) -> bpf.RingBuffer:
 class Dataplane:
     """The programs of one running fabric: loaded and attached at build, the maps pinned."""
 
-    def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map, origins: bpf.Map):
+    def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map, origins: bpf.Map,
+                 sends: bpf.Map):
         self.fabric = fabric
         self.table = table
         self.events = events
         self.origins = origins
+        self.sends = sends
+        self.sender: subprocess.Popen | None = None
         self.slots = slots(fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
         self.transports: dict[str, int] = {}    # host -> GPU agents running there
@@ -330,19 +393,48 @@ class Dataplane:
                                 name="fl_events")
         origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
                                  ORIGINS, name="fl_origins")
+        sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, SENDS_BYTES, name="fl_sends")
         ports.pin(pin_dir / "ports")
         events.pin(pin_dir / "events")
         origins.pin(pin_dir / "origins")
-        dp = cls(fabric, PortTable(ports), events, origins)
+        sends.pin(pin_dir / "sends")
+        dp = cls(fabric, PortTable(ports), events, origins, sends)
         rate = {(end, port): ln.rate_mbps for ln in fabric.links
                 for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
+        dpid = {sw.name: sw.dpid for sw in fabric.switches}
         for i, s in enumerate(all_slots):
             dp.table.set_link(i, rate[(s.node, s.port)])
+            if s.switch:
+                dp.table.set_mac(i, socket.if_nametoindex(s.intf),
+                                 pause.port_mac(dpid[s.node], s.port))
             dp.table.set_queues(i, queue_params.dscp_priority,
                                 {p: queue_params.buffer_bytes(p) for p in queue_params.priorities}
                                 if s.switch else {})
         dp._attach_programs(obj, host_pids)
+        dp.start_sender(pin_dir)
         return dp
+
+    def start_sender(self, pin_dir: Path) -> None:
+        """The process that sends the PFC frames the programs hand over (an XON decided
+        on a host's end of a link: lab/pfc_sender.c), recorded for cleanup."""
+        exe = build_sender()
+        self.sender = subprocess.Popen([str(exe), str(pin_dir)], stdin=subprocess.DEVNULL)
+        state.record_process(self.sender.pid, exe.name, "pfc-sender")
+
+    def stop_sender(self) -> None:
+        """Stops the sender; says so if it had stopped by itself (its errors went to
+        the lab's stderr): XONs from hosts' ends then waited for the controller's
+        reconciliation (every 100 ms)."""
+        if self.sender is None:
+            return
+        died = self.sender.poll()
+        if died is None:
+            self.sender.terminate()
+            self.sender.wait(timeout=5)
+        else:
+            log.warning("the PFC sender (pid %d) had exited with code %s during the run",
+                        self.sender.pid, died)
+        self.sender = None
 
     def _attach_programs(self, obj: bpf.ElfObject, host_pids: dict[str, int]) -> None:
         root = tcnl.Netlink()
@@ -366,7 +458,7 @@ class Dataplane:
         """A link end's programs: ingress everywhere, egress on a switch port."""
         s, other = self.slots[slot], peers(self.fabric)[slot]
         maps = {"ports": self.table.map.fd, "events": self.events.fd,
-                "origins": self.origins.fd}
+                "origins": self.origins.fd, "sends": self.sends.fd}
         nl.add_clsact(ifindex)
         progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
                   {"port_slot": slot, "switch_port": int(s.switch),
@@ -429,9 +521,11 @@ class Dataplane:
         return entered - left
 
     def close(self) -> None:
+        self.stop_sender()
         self.table.close()
         self.events.close()
         self.origins.close()
+        self.sends.close()
 
 
 def pinned(pin_dir: Path = PIN_DIR) -> list[str]:

@@ -59,11 +59,21 @@ class Programs:
                                 name="fl_test")
         origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, dataplane.ORIGIN_KEY_BYTES,
                                  dataplane.ORIGIN_BYTES, 1024, name="fl_test")
+        sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.SENDS_BYTES,
+                               name="fl_test")
         self.table = dataplane.PortTable(ports)
         self.ring = bpf.RingBuffer(events)
-        self.maps = {"ports": ports.fd, "events": events.fd, "origins": origins.fd}
-        self.keep = (ports, events, origins)
+        self.sends = bpf.RingBuffer(sends)
+        self.maps = {"ports": ports.fd, "events": events.fd, "origins": origins.fd,
+                     "sends": sends.fd}
+        self.keep = (ports, events, origins, sends)
         self.clsact: set[tuple[int, int]] = set()
+
+    def pin(self, pin_dir) -> None:
+        """The maps pinned where the PFC sender looks for them."""
+        pin_dir.mkdir()
+        for m, name in zip(self.keep, ("ports", "events", "origins", "sends")):
+            m.pin(pin_dir / name)
 
     def attach(self, pid: int, intf: str, section: str, consts: dict) -> None:
         hook = tcnl.CLSACT_EGRESS if section == "tc/egress" else tcnl.CLSACT_INGRESS
@@ -244,16 +254,34 @@ class Router:
                 (r, f"{r}-eth0", "tc/egress", {"port_slot": 0}),
                 (d, f"{d}-eth0", "tc/ingress", {"port_slot": 1, "peer_slot": 0}),
                 (r, f"{r}-eth1", "tc/ingress", {"port_slot": 2, "switch_port": 1}),
-                (r, f"{r}-eth2", "tc/ingress", {"port_slot": 4, "switch_port": 1})):
+                (r, f"{r}-eth2", "tc/ingress", {"port_slot": 4, "switch_port": 1}),
+                (r, f"{r}-eth1", "tc/egress", {"port_slot": 2}),
+                (r, f"{r}-eth2", "tc/egress", {"port_slot": 4}),
+                (s1, f"{s1}-eth0", "tc/ingress", {"port_slot": 3}),
+                (s2, f"{s2}-eth0", "tc/ingress", {"port_slot": 5})):
             self.dp.attach(self.procs[ns].pid, intf, section, consts)
         return self
 
+    def ifindex(self, ns: str, intf: str) -> int:
+        return netns.ifindex_in_netns(self.procs[ns].pid, intf)
+
     def __exit__(self, *exc):
-        for p in getattr(self, "procs", {}).values():
-            p.kill()
-            p.wait()
+        for p in [*getattr(self, "procs", {}).values(), getattr(self, "pfc_sender", None)]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
         for ns in self.NS:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        dataplane.remove_pins(PIN_DIR)
+
+    def start_pfc_sender(self) -> subprocess.Popen:
+        """lab/pfc_sender.c in R's namespace (R's ports are the switch's), on the maps
+        pinned for it."""
+        self.dp.pin(PIN_DIR)
+        self.pfc_sender = subprocess.Popen(
+            ["nsenter", f"--net=/proc/{self.procs[self.NS[0]].pid}/ns/net",
+             str(dataplane.build_sender()), str(PIN_DIR)])
+        return self.pfc_sender
 
     def sender(self, ns: str, n: int, gap_s: float) -> subprocess.Popen:
         """A process in `ns` ready to send n frames of RoCE data's class to D, 1042
@@ -276,6 +304,9 @@ def go(*senders: subprocess.Popen) -> None:
         p.stdin.flush()
 
 
+PIN_DIR = bpf.BPF_FS / "fl-test-dataplane"
+
+
 @requires_root
 def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
     """PFC per ingress port, with a dynamic threshold: S2 sends a trickle (a frame at a
@@ -294,6 +325,10 @@ def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
         for slot in (0, 2, 4):
             t.set_pfc(slot, PRIORITY_ROCE_DATA, XOFF, XON, headroom if slot == 0 else 0)
         r, s1, s2, _ = Router.NS
+        for slot, intf in ((2, f"{r}-eth1"), (4, f"{r}-eth2")):    # R's MAC sends PFC
+            t.set_mac(slot, rt.ifindex(r, intf), pause.port_mac(7, slot))
+            t.set_pause_quanta(slot, 0xFFFF)
+        sender = rt.start_pfc_sender()
         trickle, burst, late = (rt.sender(s2, 10, 0.02), rt.sender(s1, 58, 0),
                                 rt.sender(s2, 1, 0))
         time.sleep(0.5)          # the interpreters up, waiting
@@ -305,13 +340,27 @@ def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
         go(late)
         assert late.wait() == 0
         time.sleep(1.0)
-        events = [dataplane.parse_event(r) for r in rt.ring.records()]
-        port, in1, in2 = (t.counters(slot, PRIORITY_ROCE_DATA) for slot in (0, 2, 4))
+        signals = [dataplane.parse_event(r) for r in rt.ring.records()]
+        port, in1, in2, at1, at2 = (t.counters(slot, PRIORITY_ROCE_DATA)
+                                    for slot in (0, 2, 4, 3, 5))
         held = (t.held_bytes(2, PRIORITY_ROCE_DATA), t.held_bytes(4, PRIORITY_ROCE_DATA))
-    assert [(e["kind"], e["slot"], e["queue"]) for e in events] == [
-        (dataplane.EV_XOFF, 2, 0), (dataplane.EV_XOFF, 4, 0),
-        (dataplane.EV_XON, 2, 0), (dataplane.EV_XON, 4, 0)], events
+        wire = (t.wire_xoff(2, PRIORITY_ROCE_DATA), t.wire_xoff(4, PRIORITY_ROCE_DATA))
+        sender.terminate()
+        assert sender.wait(timeout=5) == 0
+    events = [e for e in signals if e["kind"] != dataplane.EV_PAUSE_RX]
+    assert [(e["kind"], e["slot"], e["queue"], e["sent"]) for e in events] == [
+        (dataplane.EV_XOFF, 2, 0, True), (dataplane.EV_XOFF, 4, 0, True),
+        (dataplane.EV_XON, 2, 0, True), (dataplane.EV_XON, 4, 0, True)], events
     xoff1, xoff2, xon1, xon2 = events
+    # R's ports sent each XOFF as it was decided (a PFC frame from R's MAC, pausing the
+    # RoCE priority for the quanta set); the XONs were decided on D's end (another
+    # namespace) and handed to the PFC sender, which sent them from R's: S1 and S2
+    # received one of each, in order
+    assert [(e["slot"], e["quanta"][PRIORITY_ROCE_DATA]) for e in signals
+            if e["kind"] == dataplane.EV_PAUSE_RX] == [(3, 0xFFFF), (5, 0xFFFF), (3, 0), (5, 0)]
+    assert [(c["pfc_tx_pause"], c["pfc_tx_resume"]) for c in (in1, in2)] == [(1, 1)] * 2
+    assert [(c["pfc_rx_pause"], c["pfc_rx_resume"]) for c in (at1, at2)] == [(1, 1)] * 2
+    assert wire == (False, False)
     # S1 alone held what the queue held: it paused where its share of the free shared
     # part (12 KB - backlog) met what it held, at 6 KB, below the static XOFF (8 KB)
     assert 6 * 1024 <= xoff1["value"] < 6 * 1024 + frame
@@ -321,6 +370,7 @@ def test_each_ingress_port_pauses_on_its_own_account_of_the_shared_buffer():
     # every admitted frame was charged to its ingress, and discharged as it left
     assert port["drop_packets"] == 0 and port["unattributed"] == 0
     assert port["in_packets"] == port["out_packets"] == 69
+    assert in1["in_packets"] == in2["in_packets"] == 0     # a PFC frame is no data
     assert in1["held_in_bytes"] + in2["held_in_bytes"] == port["in_bytes"]
     assert in2["held_in_bytes"] == 11 * frame
     assert held == (0, 0) and in1["held_in_bytes"] == in1["held_out_bytes"]

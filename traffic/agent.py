@@ -43,6 +43,11 @@ RATE_SAMPLE_S = 0.01
 # how long an aborted collective's last frames may take to leave the NIC (one frame waits
 # for room in a full FIFO; a pause could hold it longer, and then it is lost)
 ABORT_FLUSH_S = 0.5
+# A NIC paused as its collective ends waits this long for the resume before it reports:
+# the switch resumes a port as the port's last frames leave its queue, which is as they
+# reach the receiver, so that resume races the last acknowledgement (and it belongs to
+# this collective's traffic: its count, its pause log).
+RESUME_WAIT_S = 1.0
 
 
 def qpn_for(collective_id: int, peer_rank: int) -> int:
@@ -185,7 +190,11 @@ class Agent:
             return algo.done()
 
         ok = drive(nics, done, timeout_s)
-        elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
+        elapsed = time.monotonic() - t0
+        if ok:
+            drive(nics, lambda: not any(n.paused_now(time.monotonic()) for n in nics),
+                  RESUME_WAIT_S)
+        cpu_s = time.process_time() - cpu0
         counters, evs = {}, {}
         for net, nic in self.nics.items():
             prefix = "" if net == "scale-out" else "up:"

@@ -184,6 +184,10 @@ class Nic:
             self.paused_until[prio] = now + q * quantum_s
             self.paused_s[prio] += max(0.0, self.paused_until[prio] - now) - was
 
+    def paused_now(self, now: float) -> bool:
+        """Some priority is paused."""
+        return any(now < t for t in self.paused_until)
+
     def paused(self, frame: bytes, now: float) -> bool:
         prio = DSCP_PRIORITY.get(frame[15] >> 2, 0)
         return now < self.paused_until[prio]

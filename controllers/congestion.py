@@ -13,12 +13,14 @@ switch to the port it entered through and signals XOFF for that ingress the
 moment its bytes pass its threshold (a dynamic one: alpha x the free buffer of
 the queue, above the headroom this app sizes for every port feeding it:
 2 x (link delay + response) x rate + 2 MTU, the response being `pfc_response_ms`),
-and XON when they fall below the resume threshold. The app sends one real
-802.1Qbb frame out of that ingress port, on the wire (htb-direct: a MAC control
-frame waits behind no queue). The neighbour's ingress program sees the frame
-arrive and signals it; the app then closes that port's gate (a switch port, or a
-GPU host's NIC), as the neighbour's MAC would. No packet-in path, no sampling:
-the reaction is two wake-ups of this thread (state["reaction"] holds its
+and XON when they fall below the resume threshold. The data path sends the real
+802.1Qbb frame out of that ingress port itself (the programs, or for an XON decided
+on a host's end of a link lab/pfc_sender.c); this app logs the decisions in batches,
+refreshes long pauses, and sends a frame only where a port's last one disagrees
+with its flag for RESYNC_S (follow_xoff). The neighbour's ingress program sees the
+frame arrive and signals it at once; the app then closes that port's gate (a switch
+port, or a GPU host's NIC), as the neighbour's MAC would. No packet-in path, no
+sampling: the reaction is one wake-up of this thread (state["reaction"] holds its
 distribution). A GPU host whose agent's transport
 runs (lab/gpus.py marks it in the table) stops the priority in that transport
 itself, as a NIC's MAC does: its program signals nothing and no gate closes.

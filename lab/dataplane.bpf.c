@@ -284,17 +284,21 @@ static __always_inline int send_pfc(struct __sk_buff *skb, struct port *in, __u3
 }
 
 /* A decision for ingress port `slot` (in): its PFC frame sent at once if this program
- * can reach the port's device (`here`), and lab/pfc_sender.c told in every case: it
- * sends what was not sent, from the switch's namespace, and looks again a moment
- * later (two decisions on two CPUs may send their frames in the other order: the
- * port's last frame must say what its flag says). 1 if the frame was sent or handed
- * over (0: the ring is full, no sender reads it: user space, woken, sends it). */
+ * can reach the port's device (`here`), and lab/pfc_sender.c told of every XON and of
+ * an XOFF not sent: it sends what was not sent, from the switch's namespace, and looks
+ * again a moment later (an XOFF and an XON decided on two CPUs at once may send their
+ * frames in the other order: the port's last frame must say what its flag says; an
+ * XON follows every XOFF, so its second look covers both). 1 if the frame was sent or
+ * handed over (0: the ring is full, no sender reads it: user space, woken, sends it). */
 static __always_inline int carry_out(struct __sk_buff *skb, struct port *in, __u32 slot,
 				     __u32 prio, int xoff, int here)
 {
 	int sent = here && send_pfc(skb, in, prio, xoff) == 0;
-	struct send_request *r = bpf_ringbuf_reserve(&sends, sizeof(*r), 0);
+	struct send_request *r;
 
+	if (xoff && sent)
+		return 1;
+	r = bpf_ringbuf_reserve(&sends, sizeof(*r), 0);
 	if (!r)
 		return sent;
 	r->slot = slot;

@@ -39,6 +39,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from lab import bpf, netns, state, tcnl
 from lab.paths import BPF_CACHE_DIR
 from lab.errors import LabError
@@ -86,6 +88,10 @@ _QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}x2Q")
 _PFC_AND_MARKS = struct.Struct(f"={STATE_FIELDS.index('ce_marked') * 8}xQ"
                                f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
 DECIDED_AT = STATE_FIELDS.index("xoff_signals") * 8       # then xon_signals
+# what queues() reads of each queue, by word
+_QUEUE_WORDS = np.array([STATE_FIELDS.index(f) for f in (
+    "in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets", "ce_marked",
+    "out_adjust", "paused_until_ns")])
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
 WIRE_XOFF_AT = XOFF_AT + 8
 CFG_AT = _HEAD.size
@@ -200,6 +206,7 @@ class PortTable:
         self.map = m
         self.mem = m.mmap()
         self.stride = (PORT_BYTES + 7) & ~7
+        self._words: np.ndarray | None = None      # the table as 64-bit words: queues()
 
     @classmethod
     def open(cls, fabric: Fabric, pin_dir: Path = PIN_DIR) -> "PortTable":
@@ -338,6 +345,21 @@ class PortTable:
         ce, *pfc = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, prio))
         return (*pfc, ce)
 
+    def queues(self, slots: np.ndarray, prios: np.ndarray, now_ns: int) -> np.ndarray:
+        """queue() for many queues at once (telemetry reads ~30 every 5 ms: one object
+        per queue per look was most of its CPU): rows of (backlog bytes, backlog
+        packets, packets sent, drops, CE marks, paused (0/1)), int64."""
+        if self._words is None:
+            self._words = np.frombuffer(self.mem, dtype=np.uint64,
+                                        count=len(self) * self.stride // 8).reshape(
+                len(self), self.stride // 8)
+        # one gather of the words each queue needs (_QUEUE_WORDS), then arithmetic
+        base = STATE_AT // 8 + prios * (_STATE.size // 8)
+        block = self._words[slots[:, None], base[:, None] + _QUEUE_WORDS].astype(np.int64)
+        inb, outb, inp, outp, drops, ce, adjust, paused_until = block.T
+        return np.stack([np.maximum(0, inb - outb - adjust), np.maximum(0, inp - outp), outp,
+                         drops, ce, (paused_until > now_ns).astype(np.int64)], axis=1)
+
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
 
@@ -347,6 +369,7 @@ class PortTable:
         return max(0, inb - outb - struct.unpack_from("=Q", self.mem, at + OUT_ADJUST_AT)[0])
 
     def close(self) -> None:
+        self._words = None          # (a view of the mapping: it must go first)
         self.mem.close()
         self.map.close()
 

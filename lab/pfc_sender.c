@@ -9,11 +9,12 @@
  * namespace, which cannot reach the switch's devices. It hands the decision over
  * (struct send_request on the `sends` ring) and this process, woken by it, sends
  * what the port's flag says now, if the port's last frame on the wire said
- * otherwise (the port's egress program counts the frame and notes it). Every decision
- * is handed over, sent or not, and each port told of is looked at again RECHECK_NS
- * later: two decisions on two CPUs at once (an XOFF sent by a program, an XON sent
- * here) may put their frames on the wire in the other order, and a frame still on its
- * way in a program looks like no frame for a moment.
+ * otherwise (the port's egress program counts the frame and notes it). Every XON is
+ * handed over, sent or not (and an XOFF a program could not send), and each port told
+ * of is looked at again RECHECK_NS later: two decisions on two CPUs at once (an XOFF
+ * sent by a program, an XON sent here or by another program) may put their frames on
+ * the wire in the other order, and a frame still on its way in a program looks like
+ * no frame for a moment.
  * A C process, not the controller app: a Python wake-up per XON cost ~80 us of CPU
  * (the lab's own CPU was most of it in the PFC incast); this costs a few.
  *

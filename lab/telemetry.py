@@ -13,8 +13,9 @@ ends), and whether the gate is closed (PFC pause). Where the data path runs, its
 counters (mapped into this process: no system call) give the backlog, packets sent,
 drops at the buffer limit, CE marks and pauses (a pause frame received, until its
 time runs out or a resume) every few milliseconds, and the kernel's (drops past the
-program, RED's marks) are dumped every KERNEL_EVERY_S. A CSV row is written when something
-changed; the summary covers any time window of the run.
+program, RED's marks) are dumped every KERNEL_EVERY_S; the looks are kept as numpy rows
+(Columns) and written out as CSV when the telemetry stops. A CSV row is written when
+something changed; the summary covers any time window of the run.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from lab import dataplane, queues, tcnl
 from topologies.fabric import Fabric
@@ -50,6 +53,64 @@ class QueueSample:
     paused: bool
 
 
+class Columns:
+    """Looks at a fixed set of queues: one numpy row of (backlog bytes, backlog
+    packets, sent, drops, CE marks, paused) per queue per look, grown by doubling. A
+    QueueSample object per queue per look cost more than the look itself (~30 queues
+    every 5 ms); they are made when asked for."""
+    FIELDS = 6
+
+    def __init__(self, keys: list[str]):
+        self.keys = keys
+        self.t = np.empty(1024)
+        self.v = np.empty((1024, len(keys), self.FIELDS), dtype=np.int64)
+        self.n = 0
+        self._made: tuple[int, dict[str, list[QueueSample]]] = (0, {k: [] for k in keys})
+
+    def add(self, t: float, rows: np.ndarray) -> None:
+        if self.n == len(self.t):
+            self.t = np.concatenate([self.t, np.empty_like(self.t)])
+            self.v = np.concatenate([self.v, np.empty_like(self.v)])
+        self.t[self.n] = t
+        self.v[self.n] = rows
+        self.n += 1      # last: a reader in another thread sees whole rows only
+
+    def series(self) -> dict[str, list[QueueSample]]:
+        n, made = self._made
+        end = self.n
+        if end == n:
+            return made
+        t, v = self.t[n:end].tolist(), self.v[n:end].tolist()
+        out = {}
+        for i, key in enumerate(self.keys):
+            out[key] = made[key] + [QueueSample(tt, *row[i][:5], bool(row[i][5]))
+                                    for tt, row in zip(t, v)]
+        self._made = (end, out)
+        return out
+
+    def write_csv(self, f) -> None:
+        """CSV_COLUMNS rows (after the header): at each look, every queue that holds
+        something, held something at the look before, or changed since."""
+        n = self.n
+        if not n:
+            return
+        v = self.v[:n]
+        write = np.ones(v.shape[:2], dtype=bool)
+        write[1:] = (v[1:] != v[:-1]).any(axis=2) | (v[1:, :, 0] > 0) | (v[:-1, :, 0] > 0)
+        looks, queues = np.nonzero(write)
+        where = [k.replace(":", ",") for k in self.keys]
+        t = self.t[:n].tolist()
+        f.writelines(f"{t[i]:.4f},{where[j]},{b},{p},{s},{d},{c},{z}\n" for i, j, (b, p, s, d, c, z)
+                     in zip(looks.tolist(), queues.tolist(), v[looks, queues].tolist()))
+
+    def latest(self) -> dict[str, QueueSample]:
+        n = self.n
+        if not n:
+            return {}
+        t, row = float(self.t[n - 1]), self.v[n - 1].tolist()
+        return {k: QueueSample(t, *r[:5], bool(r[5])) for k, r in zip(self.keys, row)}
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -68,7 +129,8 @@ class QueueTelemetry:
         self._marks_read = 0.0
         self.csv_path = csv_path
         self.interval_s = interval_ms / 1000
-        self.series: dict[str, list[QueueSample]] = {}
+        self._series: dict[str, list[QueueSample]] = {}     # read by rtnetlink
+        self._columns: Columns | None = None                # read from the data path
         self.intervals: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,7 +142,7 @@ class QueueTelemetry:
         if fabric is not None and dataplane.pinned():
             self.table = dataplane.PortTable.open(fabric)
             self._slot = {f"{s.node}:{s.port}": i for i, s in enumerate(dataplane.slots(fabric))}
-            self._queue_at: dict[str, tuple[int, int]] = {}     # "sw:port:prio" -> slot, prio
+            self._kernel_rows: np.ndarray | None = None     # its drops and marks, per row
 
     # --- lifecycle --------------------------------------------------------------------
     def __enter__(self) -> "QueueTelemetry":
@@ -121,21 +183,36 @@ class QueueTelemetry:
         t = time.time()
         if self.table is None or t - self._kernel_t >= KERNEL_EVERY_S:
             self._kernel, self._kernel_t = self._dump(nl, t), t
+            self._kernel_rows = None
         if self.table is None:
             controller = self._controller_ce(t)
             return {k: dataclasses.replace(q, ce_marked=q.ce_marked + controller.get(k, 0))
                     for k, q in self._kernel.items()}
-        out = {}
-        now_ns = time.monotonic_ns()     # the programs' clock (bpf_ktime_get_ns)
-        for key, k in self._kernel.items():     # the queues the kernel has: its gates
-            if key not in self._queue_at:
-                port, _, prio = key.rpartition(":")
-                self._queue_at[key] = (self._slot[port], int(prio))
-            backlog, packets, sent, drops, ce, paused_until = self.table.queue(
-                *self._queue_at[key])
-            out[key] = QueueSample(t, backlog, packets, sent, drops + k.drops,
-                                   ce + k.ce_marked, paused_until > now_ns)
-        return out
+        rows = self._look(t)
+        return {} if rows is None else {
+            k: QueueSample(t, *r[:5], bool(r[5])) for k, r in zip(self._columns.keys,
+                                                                   rows.tolist())}
+
+    def _look(self, t: float) -> np.ndarray | None:
+        """Every queue the kernel has (its gates) from the data path's counters, plus
+        the kernel's own drops and marks (its last dump): one row each, in the
+        order of self._columns.keys."""
+        if self._columns is None:
+            if not self._kernel:
+                return None
+            self._columns = Columns(sorted(self._kernel))
+            where = [key.rpartition(":") for key in self._columns.keys]
+            self._slots = np.array([self._slot[port] for port, _, _ in where])
+            self._prios = np.array([int(prio) for _, _, prio in where])
+        if self._kernel_rows is None:
+            empty = QueueSample(t, 0, 0, 0, 0, 0, False)
+            kernel = [self._kernel.get(k, empty) for k in self._columns.keys]
+            self._kernel_rows = np.zeros((len(kernel), Columns.FIELDS), dtype=np.int64)
+            self._kernel_rows[:, 3] = [k.drops for k in kernel]
+            self._kernel_rows[:, 4] = [k.ce_marked for k in kernel]
+        # the programs' clock is CLOCK_MONOTONIC (bpf_ktime_get_ns)
+        return self.table.queues(self._slots, self._prios, time.monotonic_ns()) \
+            + self._kernel_rows
 
     def _dump(self, nl: tcnl.Netlink, t: float) -> dict[str, QueueSample]:
         """The kernel's view of every gated queue: one rtnetlink dump."""
@@ -176,7 +253,7 @@ class QueueTelemetry:
     def _run(self) -> None:
         nl = tcnl.Netlink()
         f = open(self.csv_path, "w", newline="") if self.csv_path else None
-        writer = csv.writer(f) if f else None
+        writer = csv.writer(f, lineterminator="\n") if f else None
         if writer:
             writer.writerow(CSV_COLUMNS)
         last: dict[str, QueueSample] = {}
@@ -187,8 +264,12 @@ class QueueTelemetry:
                 if prev_t0 is not None:
                     self.intervals.append(t0 - prev_t0)
                 prev_t0 = t0
+                if self.table is not None:
+                    self._record(nl)
+                    self._stop.wait(max(0.0, t0 + self.interval_s - time.monotonic()))
+                    continue
                 for key, s in self.sample(nl).items():
-                    self.series.setdefault(key, []).append(s)
+                    self._series.setdefault(key, []).append(s)
                     prev = last.get(key)
                     if writer and (prev is None or s.backlog_bytes or prev.backlog_bytes
                                    or (s.sent_packets, s.drops, s.ce_marked, s.paused)
@@ -205,9 +286,28 @@ class QueueTelemetry:
         finally:
             nl.close()
             if f:
+                if self._columns is not None:
+                    self._columns.write_csv(f)
                 f.close()
             if self.table is not None:
                 self.table.close()
+
+    def _record(self, nl: tcnl.Netlink) -> None:
+        """One look through the data path, kept (its CSV rows are written when the
+        telemetry stops: formatting them as they came was most of a look's CPU, taken
+        from the traffic being watched)."""
+        t = time.time()
+        if t - self._kernel_t >= KERNEL_EVERY_S:
+            self._kernel, self._kernel_t = self._dump(nl, t), t
+            self._kernel_rows = None
+        rows = self._look(t)
+        if rows is not None:
+            self._columns.add(t, rows)
+
+    @property
+    def series(self) -> dict[str, list[QueueSample]]:
+        """Per "switch:port:priority", every look at it."""
+        return self._columns.series() if self._columns is not None else self._series
 
     def snapshot(self) -> dict[str, QueueSample]:
         """Every queue now, sampled once without the thread (a shell's `queues`)."""
@@ -221,18 +321,22 @@ class QueueTelemetry:
 
     # --- reading ----------------------------------------------------------------------
     def latest(self) -> dict[str, QueueSample]:
-        return {k: v[-1] for k, v in self.series.items() if v}
+        if self._columns is not None:
+            return self._columns.latest()
+        return {k: v[-1] for k, v in self._series.items() if v}
 
-    def window(self, key: str, since: float, until: float) -> list[QueueSample]:
-        series = self.series.get(key, [])
-        ts = [s.t for s in series]
-        return series[bisect_left(ts, since):bisect_right(ts, until)]
+    def window(self, key: str, since: float, until: float,
+               series: dict[str, list[QueueSample]] | None = None) -> list[QueueSample]:
+        samples = (series or self.series).get(key, [])
+        ts = [s.t for s in samples]
+        return samples[bisect_left(ts, since):bisect_right(ts, until)]
 
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, dict]:
         """Per "switch:port:priority", over [since, until]: only queues that carried traffic."""
         out = {}
-        for key in self.series:
-            w = self.window(key, since, until)
+        series = self.series
+        for key in series:
+            w = self.window(key, since, until, series)
             if len(w) < 2 or w[-1].sent_packets == w[0].sent_packets and not w[-1].drops - w[0].drops:
                 continue
             backlog = [s.backlog_bytes for s in w]

@@ -82,8 +82,6 @@ PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
 HELD_ADJUST_AT = STATE_FIELDS.index("held_adjust") * 8
 HELD_AT = STATE_FIELDS.index("held_in_bytes") * 8
-# in_bytes .. ce_marked, then out_adjust and paused_until_ns: what telemetry needs
-_QUEUE = struct.Struct(f"=7Q{OUT_ADJUST_AT - 7 * 8}x2Q")
 # ce_marked, then pfc_tx_pause .. pfc_rx_resume
 _PFC_AND_MARKS = struct.Struct(f"={STATE_FIELDS.index('ce_marked') * 8}xQ"
                                f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
@@ -331,24 +329,10 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
-    def queue(self, slot: int, prio: int) -> tuple[int, int, int, int, int, int]:
-        """(backlog bytes, backlog packets, packets sent, drops, CE marks, paused until
-        (CLOCK_MONOTONIC ns)): what telemetry reads of every queue every few ms, in one
-        unpack (counters() builds a dict)."""
-        inb, outb, inp, outp, drops, _, ce, adjust, paused_until = _QUEUE.unpack_from(
-            self.mem, self._state_at(slot, prio))
-        return max(0, inb - outb - adjust), max(0, inp - outp), outp, drops, ce, paused_until
-
-    def pfc_and_marks(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
-        """(PFC frames sent pausing, sent resuming, received pausing, received
-        resuming, CE marks): what the controller reports of every port, in one unpack."""
-        ce, *pfc = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, prio))
-        return (*pfc, ce)
-
     def queues(self, slots: np.ndarray, prios: np.ndarray, now_ns: int) -> np.ndarray:
-        """queue() for many queues at once (telemetry reads ~30 every 5 ms: one object
-        per queue per look was most of its CPU): rows of (backlog bytes, backlog
-        packets, packets sent, drops, CE marks, paused (0/1)), int64."""
+        """What telemetry reads of many queues at once (~30 every 5 ms: one object per
+        queue per look was most of its CPU): rows of (backlog bytes, backlog packets,
+        packets sent, drops, CE marks, paused (0/1) at now_ns), int64."""
         if self._words is None:
             self._words = np.frombuffer(self.mem, dtype=np.uint64,
                                         count=len(self) * self.stride // 8).reshape(

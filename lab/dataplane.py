@@ -329,6 +329,12 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
+    def pfc_and_marks(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
+        """(PFC frames sent pausing, sent resuming, received pausing, received
+        resuming, CE marks): what the controller reports of every port, in one unpack."""
+        ce, *pfc = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, prio))
+        return (*pfc, ce)
+
     def queues(self, slots: np.ndarray, prios: np.ndarray, now_ns: int) -> np.ndarray:
         """What telemetry reads of many queues at once (~30 every 5 ms: one object per
         queue per look was most of its CPU): rows of (backlog bytes, backlog packets,

@@ -2,6 +2,8 @@
 when asked for."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from lab.telemetry import Columns, QueueSample
@@ -34,3 +36,23 @@ def test_the_csv_has_a_row_where_a_queue_holds_held_or_changed(tmp_path):
         "1.0000,s,1,3,0,0,5,0,0,0", "1.0000,s,2,0,0,0,0,0,0,0",   # the first look: all
         "2.0000,s,1,3,9,1,5,0,0,1",                                # holds (and paused)
         "3.0000,s,1,3,0,0,6,0,0,0"]                                # held before; sent more
+
+
+def test_the_table_reads_pfc_counts_and_marks_in_one_unpack():
+    """What the controller reports of every port (controllers/congestion.py), from the
+    table's own layout: an array in memory stands in for the mapped BPF map."""
+    from lab import dataplane
+
+    class Memory:
+        max_entries = 2
+
+        def mmap(self):
+            return bytearray(2 * dataplane.PORT_BYTES)
+
+    t = dataplane.PortTable(Memory())
+    at = t._state_at(1, 3)
+    for i, name in enumerate(("ce_marked", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
+                              "pfc_rx_resume")):
+        struct.pack_into("=Q", t.mem, at + dataplane.STATE_FIELDS.index(name) * 8, 10 + i)
+    assert t.pfc_and_marks(1, 3) == (11, 12, 13, 14, 10)
+    assert t.pfc_and_marks(1, 2) == t.pfc_and_marks(0, 3) == (0, 0, 0, 0, 0)

@@ -39,7 +39,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from lab import bpf, netns, state, tcnl
 from lab.paths import BPF_CACHE_DIR
@@ -47,6 +47,9 @@ from lab.errors import LabError
 from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
+
+if TYPE_CHECKING:       # numpy only where telemetry reads: Ryu's runtime has none
+    import numpy as np
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("dataplane.bpf.c")
@@ -87,9 +90,9 @@ _PFC_AND_MARKS = struct.Struct(f"={STATE_FIELDS.index('ce_marked') * 8}xQ"
                                f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
 DECIDED_AT = STATE_FIELDS.index("xoff_signals") * 8       # then xon_signals
 # what queues() reads of each queue, by word
-_QUEUE_WORDS = np.array([STATE_FIELDS.index(f) for f in (
+_QUEUE_WORDS = [STATE_FIELDS.index(f) for f in (
     "in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets", "ce_marked",
-    "out_adjust", "paused_until_ns")])
+    "out_adjust", "paused_until_ns")]
 XOFF_AT = STATE_FIELDS.index("xoff") * 8
 WIRE_XOFF_AT = XOFF_AT + 8
 CFG_AT = _HEAD.size
@@ -339,13 +342,15 @@ class PortTable:
         """What telemetry reads of many queues at once (~30 every 5 ms: one object per
         queue per look was most of its CPU): rows of (backlog bytes, backlog packets,
         packets sent, drops, CE marks, paused (0/1) at now_ns), int64."""
+        import numpy as np      # (the controller apps import this module too, numpy-less)
         if self._words is None:
             self._words = np.frombuffer(self.mem, dtype=np.uint64,
                                         count=len(self) * self.stride // 8).reshape(
                 len(self), self.stride // 8)
         # one gather of the words each queue needs (_QUEUE_WORDS), then arithmetic
         base = STATE_AT // 8 + prios * (_STATE.size // 8)
-        block = self._words[slots[:, None], base[:, None] + _QUEUE_WORDS].astype(np.int64)
+        block = self._words[slots[:, None], base[:, None] + np.array(_QUEUE_WORDS)].astype(
+            np.int64)
         inb, outb, inp, outp, drops, ce, adjust, paused_until = block.T
         return np.stack([np.maximum(0, inb - outb - adjust), np.maximum(0, inp - outp), outp,
                          drops, ce, (paused_until > now_ns).astype(np.int64)], axis=1)

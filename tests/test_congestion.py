@@ -250,9 +250,15 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
         held = {h: dp.counters(leaf, net.fabric.host(h).interface().port,
                                PRIORITY_ROCE_DATA)["backlog_bytes"] for h in paused}
         lost = dp.lost_inside(leaf, PRIORITY_ROCE_DATA) - lost0
+        # where each port's frames went, for a failure's message (once seen in a full
+        # suite run: g1's queue held 38 frames, none lost inside the switch)
+        where = {h: {k: dp.counters(leaf, net.fabric.host(h).interface().port,
+                                    PRIORITY_ROCE_DATA)[k]
+                     for k in ("in_packets", "out_packets", "drop_packets", "rx_packets",
+                               "pfc_rx_pause", "paused_until_ns")} for h in ("g0", *paused)}
     # (a closed gate lets one frame through: lab/queues.py) 3 x ~49 frames, 150 KB: past
     # the default buffer's ~93 frames of truesize
-    assert lost == 0 and all(b >= 45 * 1042 for b in held.values()), (held, lost)
+    assert lost == 0 and all(b >= 45 * 1042 for b in held.values()), (held, lost, where)
 
 
 def _udp_incast(net, dst: str, srcs: list[str], mbps: float, seconds: float) -> None:

@@ -224,7 +224,12 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
     with the kernel's default send buffer (~93 full frames across every port) three
     paused ports holding 50 frames each lost 55 inside OVS, counted by no queue
     (measured). The lab raises that buffer at build (lab/ovs.py): each port holds what
-    its own buffer admits, and nothing is lost inside the switch."""
+    its own buffer admits, and nothing is lost inside the switch.
+
+    Each host keeps its port paused as a congested receiver does, re-sending its XOFF
+    every 0.5 s: one frame of 0xFFFF quanta holds a 10 Mb/s port 3.36 s, and the
+    sequence below once took that long on a quiet machine (in a loaded suite run g1's
+    pause expired and its queue drained before the read)."""
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=4, host_rate_mbps=10,
                       fabric_rate_mbps=10)
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
@@ -233,29 +238,38 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
         assert net.ovs_send_buffer_bytes >= 4 << 20
         dp = net.dataplane
         paused = ("g1", "g2", "g3")
-        send = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_PACKET, "
-                "socket.SOCK_RAW); s.bind((sys.argv[1], 0)); s.send(bytes.fromhex(sys.argv[2]))\" ")
-        for h in paused:        # each host pauses the leaf's port toward it
-            i = net.fabric.host(h).interface()
-            net.mininet[h].cmd(send + f"{i.name} "
-                               + pause.pfc_frame(i.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex())
-        time.sleep(0.3)
-        leaf = net.fabric.host("g1").interface().switch
-        lost0 = dp.lost_inside(leaf, PRIORITY_ROCE_DATA)
-        for h in paused:        # 50 echo requests of 1042 bytes, RoCE data's class
-            net.mininet["g0"].cmd(f"ping -c 50 -s 1000 -i 0.01 -W 0.1 -Q "
-                                  f"{DSCP_TOS[PRIORITY_ROCE_DATA]} "
-                                  f"{net.fabric.host(h).interface().ip} > /dev/null")
-        time.sleep(0.5)
-        held = {h: dp.counters(leaf, net.fabric.host(h).interface().port,
-                               PRIORITY_ROCE_DATA)["backlog_bytes"] for h in paused}
-        lost = dp.lost_inside(leaf, PRIORITY_ROCE_DATA) - lost0
-        # where each port's frames went, for a failure's message (once seen in a full
-        # suite run: g1's queue held 38 frames, none lost inside the switch)
-        where = {h: {k: dp.counters(leaf, net.fabric.host(h).interface().port,
-                                    PRIORITY_ROCE_DATA)[k]
-                     for k in ("in_packets", "out_packets", "drop_packets", "rx_packets",
-                               "pfc_rx_pause", "paused_until_ns")} for h in ("g0", *paused)}
+        send = ("import socket,sys,time; s=socket.socket(socket.AF_PACKET, socket.SOCK_RAW); "
+                "s.bind((sys.argv[1], 0))\nwhile True: s.send(bytes.fromhex(sys.argv[2])); "
+                "time.sleep(0.5)")
+        pausers = []
+        try:
+            for h in paused:        # each host pauses the leaf's port toward it
+                i = net.fabric.host(h).interface()
+                pausers.append(net.mininet[h].popen(
+                    ["python3", "-c", send, i.name,
+                     pause.pfc_frame(i.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex()]))
+            time.sleep(0.3)
+            leaf = net.fabric.host("g1").interface().switch
+            lost0 = dp.lost_inside(leaf, PRIORITY_ROCE_DATA)
+            pings = [net.mininet["g0"].popen(   # 50 echo requests of 1042 bytes to each
+                ["ping", "-c", "50", "-s", "1000", "-i", "0.01", "-W", "0.1", "-Q",
+                 str(DSCP_TOS[PRIORITY_ROCE_DATA]), net.fabric.host(h).interface().ip],
+                stdout=subprocess.DEVNULL) for h in paused]
+            for ping in pings:
+                ping.wait(timeout=30)
+            time.sleep(0.5)
+            held = {h: dp.counters(leaf, net.fabric.host(h).interface().port,
+                                   PRIORITY_ROCE_DATA)["backlog_bytes"] for h in paused}
+            lost = dp.lost_inside(leaf, PRIORITY_ROCE_DATA) - lost0
+            where = {h: {k: dp.counters(leaf, net.fabric.host(h).interface().port,
+                                        PRIORITY_ROCE_DATA)[k]
+                         for k in ("in_packets", "out_packets", "drop_packets", "rx_packets",
+                                   "pfc_rx_pause", "paused_until_ns")}
+                     for h in ("g0", *paused)}
+        finally:
+            for proc in pausers:
+                proc.kill()
+                proc.wait()
     # (a closed gate lets one frame through: lab/queues.py) 3 x ~49 frames, 150 KB: past
     # the default buffer's ~93 frames of truesize
     assert lost == 0 and all(b >= 45 * 1042 for b in held.values()), (held, lost, where)

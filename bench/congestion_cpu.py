@@ -8,7 +8,7 @@ processes at normal priority (default: one per core). For each it prints
     (signal: the port program saw the packet -> the app handled it; pause: the queue
     passed XOFF -> the upstream gate closed), p50/p99/max
   - where the CPU went while the variant's traffic ran (not the fabric's build or
-    teardown), per process class, as a share of all process CPU time: the lab's own
+    teardown, nor the variant's setting up and counting), per process class, as a share of all process CPU time: the lab's own
     control and observation (controller, the lab's main process with its telemetry,
     the PFC sender, tcpdump) against the traffic (GPU agents) and the switches (OVS)
 
@@ -109,10 +109,10 @@ def one_run(load: int, settings: list[str]) -> dict:
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         watch = CpuWatch(proc.pid)
-        for line in proc.stdout:      # the runner's progress: the variant starts, ends
+        for line in proc.stdout:      # the runner's progress: the traffic starts, ends
             if "pfc: " in line and "senders" in line:
                 watch.start()
-            elif "  drops " in line:
+            elif "  traffic done" in line:
                 watch.stop()
         _, err = proc.communicate()
         if not (out / "metrics.json").exists():
@@ -143,9 +143,9 @@ def show(label: str, r: dict) -> None:
         s = r["sampling"]
         print(f"  controller sampling gaps: p50 {s['gap_ms_p50']} ms, p99 {s['gap_ms_p99']} ms, "
               f"max {s['gap_ms_max']} ms")
-    print("  process CPU: " + ", ".join(f"{k} {v / total:.0%}" for k, v in r["cpu"].items()
+    print("  process CPU: " + ", ".join(f"{k} {v / total:.1%}" for k, v in r["cpu"].items()
                                         if v) + f" (of {total:.1f} CPU-s)")
-    print(f"  the lab's own control and observation: {own / total:.0%} of process CPU")
+    print(f"  the lab's own control and observation: {own / total:.1%} of process CPU")
     for w in r["warnings"]:
         print(f"  warning: {w}")
 

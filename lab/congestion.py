@@ -170,7 +170,7 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
         host_pids={h.name: net.host_pid(h.name) for h in net.fabric.hosts},
         dataplane=net.dataplane is not None).write(net.controller.workdir)
     deadline = time.monotonic() + timeout_s
-    while read_state(net).get("version") != version:
+    while protocol.read_state(net.controller.workdir).get("version") != version:
         if time.monotonic() > deadline:
             raise LabError(f"the controller did not apply the congestion settings within "
                            f"{timeout_s:.0f} s; see {net.controller.log_file}")
@@ -179,10 +179,16 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
 
 
 def read_state(net) -> dict:
-    """The controller's congestion counters: {"counters": {"switch:port": {prio: {...}}}, ...}."""
-    return protocol.read_state(net.controller.workdir)
+    """The controller's congestion counters: {"counters": {"switch:port": {prio: {...}}},
+    ...}, as the app has them now (its next write waited for: up to STATE_EVERY_S)."""
+    try:
+        return protocol.read_state(net.controller.workdir, written_after=time.time())
+    except TimeoutError as e:
+        raise LabError(f"{e}: is the controller running? See {net.controller.log_file}") from e
 
 
 def events(net, since: float = 0.0) -> list[dict]:
-    """The congestion app's events (xoff, xon, gates, marking, watchdog) since `since`."""
+    """The congestion app's events (xoff, xon, gates, marking, watchdog) since `since`,
+    up to what it had handled when asked (its next write waited for)."""
+    read_state(net)
     return lab_events.read(net.controller.workdir / protocol.EVENTS_FILE, since)

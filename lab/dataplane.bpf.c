@@ -49,6 +49,7 @@ char ports[4] SEC("maps");
 char events[4] SEC("maps");
 char origins[4] SEC("maps");    /* LRU hash: origin_key -> origin */
 char sends[4] SEC("maps");      /* ring of send_request, read by lab/pfc_sender.c */
+char history[4] SEC("maps");    /* array of struct history: telemetry's looks per queue */
 
 volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
 volatile const __u32 peer_slot = NO_SLOT;   /* the port at the other end (ingress) */
@@ -108,6 +109,34 @@ static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 val
 	e->threshold = threshold;
 	e->sent = sent;
 	bpf_ringbuf_submit(e, sent ? BPF_RB_NO_WAKEUP : BPF_RB_FORCE_WAKEUP);
+}
+
+/* Queue (p, prio) as it stands now, into its history: the look of the current period
+ * (telemetry reads finished periods: lab/telemetry.py). Two CPUs may write one look at
+ * once; each writes a state the queue was in during the period. */
+static __always_inline void note(struct port *p, __u32 prio, __u64 now)
+{
+	struct prio_state *q = &p->q[prio & (PRIOS - 1)];
+	struct history *h;
+	struct look *l;
+	__u32 key;
+	__u64 period;
+
+	if (p->history == NO_SLOT || !p->look_ns)
+		return;
+	key = p->history * PRIOS + (prio & (PRIOS - 1));
+	h = bpf_map_lookup_elem(&history, &key);
+	if (!h)
+		return;
+	period = now / p->look_ns;
+	l = &h->looks[period & (HISTORY_LOOKS - 1)];
+	l->period = period;
+	l->backlog_bytes = backlog_of(q);
+	l->backlog_packets = q->in_packets > q->out_packets ? q->in_packets - q->out_packets : 0;
+	l->sent_packets = q->out_packets;
+	l->drop_packets = q->drop_packets;
+	l->ce_marked = q->ce_marked;
+	l->paused_until_ns = q->paused_until_ns;
 }
 
 static __always_inline __u64 held_of(struct prio_state *q)
@@ -254,10 +283,12 @@ static __always_inline void count_mac_control(struct port *p, struct mac_control
 
 		if (!(enable >> i & 1))
 			continue;
-		if (!tx)
+		if (!tx) {
 			p->q[i].paused_until_ns = t ? now + t * p->quantum_ns : 0;
-		else
+			note(p, i, now);
+		} else {
 			p->q[i].wire_xoff = t != 0;
+		}
 		if (t)
 			__sync_fetch_and_add(tx ? &p->q[i].pfc_tx_pause : &p->q[i].pfc_rx_pause, 1);
 		else
@@ -441,13 +472,14 @@ int port_egress(struct __sk_buff *skb)
 	prio = classify(skb, p, &ip);
 	q = &p->q[prio & (PRIOS - 1)];
 	backlog = backlog_of(q);
+	now = bpf_ktime_get_ns();
 	if (p->cfg[prio & (PRIOS - 1)].limit_bytes &&
 	    backlog + len > p->cfg[prio & (PRIOS - 1)].limit_bytes) {
 		__sync_fetch_and_add(&q->drop_packets, 1);
 		__sync_fetch_and_add(&q->drop_bytes, len);
+		note(p, prio, now);
 		return TC_ACT_SHOT;
 	}
-	now = bpf_ktime_get_ns();
 	if (ip && (p->ecn_prio_mask >> prio & 1) && (ip->tos & 3) && (ip->tos & 3) != 3) {
 		if (should_mark(p, q, red_average(p, q, backlog, now))) {
 			mark_ce(skb, ip);
@@ -456,6 +488,7 @@ int port_egress(struct __sk_buff *skb)
 	}
 	__sync_fetch_and_add(&q->in_bytes, len);
 	__sync_fetch_and_add(&q->in_packets, 1);
+	note(p, prio, now);
 	if (ip && p->cfg[prio & (PRIOS - 1)].xoff_bytes)
 		charge_ingress(skb, p, q, prio & (PRIOS - 1), backlog + len, len);
 	return TC_ACT_OK;
@@ -517,11 +550,15 @@ int port_ingress(struct __sk_buff *skb)
 	__sync_fetch_and_add(&q->rx_packets, 1);
 	__sync_fetch_and_add(&q->rx_bytes, skb->len);
 	if (peer) {
-		q = &peer->q[classify(skb, peer, &ip) & (PRIOS - 1)];
+		int left = classify(skb, peer, &ip) & (PRIOS - 1);
+		__u64 now = bpf_ktime_get_ns();
+
+		q = &peer->q[left];
 		__sync_fetch_and_add(&q->out_bytes, skb->len);
 		__sync_fetch_and_add(&q->out_packets, 1);
 		if (backlog_of(q) == 0)
-			q->idle_since_ns = bpf_ktime_get_ns();
+			q->idle_since_ns = now;
+		note(peer, left, now);
 	}
 	/* lossless frames are followed through the switches (the peer's priority map is
 	 * the fabric's: one DSCP map everywhere) */

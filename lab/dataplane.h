@@ -80,6 +80,8 @@ struct port {
 	__u8 dscp_prio[64];
 	__u8 mac[6];            /* the source of the port's PFC frames */
 	__u16 pause_quanta;     /* an XOFF's pause time */
+	__u32 history;          /* a switch port's first entry in `history` (NO_SLOT: none) */
+	__u32 look_ns;          /* telemetry's period (0: no history kept) */
 	struct prio_cfg cfg[PRIOS];
 	struct prio_state q[PRIOS];
 };
@@ -115,7 +117,7 @@ struct origin {
 	__u32 prio;
 };
 
-_Static_assert(sizeof(struct port) == 1960, "lab/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct port) == 1968, "lab/dataplane.py's PORT_BYTES");
 _Static_assert(sizeof(struct event) == 56, "lab/dataplane.py's EVENT");
 _Static_assert(sizeof(struct origin_key) == 36, "lab/dataplane.py's ORIGIN_KEY_BYTES");
 _Static_assert(sizeof(struct origin) == 16, "lab/dataplane.py's ORIGIN_BYTES");
@@ -133,6 +135,25 @@ struct pfc {                    /* 802.1Qbb, 60 bytes: the shortest frame (no FC
 	struct mac_control mc;
 	__u8 pad[26];
 };
+
+/* A queue as it stood at the end of one of telemetry's periods (look_ns): what the
+ * last frame to enter or leave it in that period left. No frame: as the period before. */
+#define HISTORY_LOOKS 64        /* a ring of the last 64 periods, per queue */
+struct look {
+	__u64 period;           /* which one (CLOCK_MONOTONIC ns / look_ns) */
+	__u64 backlog_bytes;
+	__u64 backlog_packets;
+	__u64 sent_packets;
+	__u64 drop_packets;
+	__u64 ce_marked;
+	__u64 paused_until_ns;
+};
+
+struct history {
+	struct look looks[HISTORY_LOOKS];
+};
+
+_Static_assert(sizeof(struct history) == 3584, "lab/dataplane.py's HISTORY_BYTES");
 
 /* A PFC frame a program decided but could not send (another namespace than the
  * switch's ports): lab/pfc_sender.c sends it, as the port's flag says then */

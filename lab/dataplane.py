@@ -68,9 +68,10 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, ifindex, dscp, mac,
-# pause_quanta
-_HEAD = struct.Struct("=8I64s6sH")
+# pause_quanta, history, look_ns
+_HEAD = struct.Struct("=8I64s6sHII")
 HEAD_QUANTUM, HEAD_IFINDEX, HEAD_DSCP, HEAD_MAC, HEAD_PAUSE_QUANTA = 6, 7, 8, 9, 10
+HEAD_HISTORY, HEAD_LOOK_NS = 11, 12
 # limit, xoff, xon, nic_honours, headroom, alpha_q8
 _CFG = struct.Struct("=6I")
 CFG_NIC = 3
@@ -86,8 +87,11 @@ OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
 HELD_ADJUST_AT = STATE_FIELDS.index("held_adjust") * 8
 HELD_AT = STATE_FIELDS.index("held_in_bytes") * 8
 # ce_marked, then pfc_tx_pause .. pfc_rx_resume
-_PFC_AND_MARKS = struct.Struct(f"={STATE_FIELDS.index('ce_marked') * 8}xQ"
-                               f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
+# a port's CE marks and PFC frames (sent pausing, resuming, received ...), every priority
+_ONE_PRIO = (f"{STATE_FIELDS.index('ce_marked') * 8}xQ"
+             f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
+_PFC_AND_MARKS = struct.Struct("=" + "".join(
+    f"{_ONE_PRIO}{_STATE.size - struct.calcsize('=' + _ONE_PRIO)}x" for _ in range(PRIOS)))
 DECIDED_AT = STATE_FIELDS.index("xoff_signals") * 8       # then xon_signals
 # what queues() reads of each queue, by word
 _QUEUE_WORDS = [STATE_FIELDS.index(f) for f in (
@@ -100,6 +104,12 @@ STATE_AT = CFG_AT + PRIOS * _CFG.size
 # struct event
 EVENT = struct.Struct("=QIIII8HIII4x")
 EV_XOFF, EV_XON, EV_PAUSE_RX = 1, 2, 3
+# struct history: per switch port and priority, the queue at the end of each of the last
+# HISTORY_LOOKS telemetry periods (struct look: period, then LOOK_FIELDS)
+HISTORY_LOOKS = 64
+LOOK_FIELDS = ("backlog_bytes", "backlog_packets", "sent_packets", "drop_packets",
+               "ce_marked", "paused_until_ns")
+HISTORY_BYTES = HISTORY_LOOKS * 8 * (1 + len(LOOK_FIELDS))
 
 
 def unavailable() -> str | None:
@@ -125,14 +135,17 @@ def probe() -> str | None:
         origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
                                  64, name="fl_probe")
         sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096, name="fl_probe")
+        history = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, HISTORY_BYTES, PRIOS,
+                                 flags=bpf.BPF_F_MMAPABLE, name="fl_probe")
         try:
             for section in ("tc/egress", "tc/ingress"):
                 os.close(obj.load(section, {"ports": ports.fd, "events": events.fd,
-                                            "origins": origins.fd, "sends": sends.fd},
+                                            "origins": origins.fd, "sends": sends.fd,
+                                            "history": history.fd},
                                   {"port_slot": 0}, name="fl_probe"))
             build_sender()
         finally:
-            for m in (ports, events, origins, sends):
+            for m in (ports, events, origins, sends, history):
                 m.close()
     except (LabError, OSError) as e:
         return str(e).splitlines()[0]
@@ -190,6 +203,12 @@ def slots(fabric: Fabric) -> list[Slot]:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
             out.append(Slot(node, port, interface_name(node, port), node in switches))
     return out
+
+
+def history_entries(fabric: Fabric) -> dict[int, int]:
+    """switch port slot -> its first entry in the history map (one per priority)."""
+    switch_slots = [i for i, s in enumerate(slots(fabric)) if s.switch]
+    return {slot: n * PRIOS for n, slot in enumerate(switch_slots)}
 
 
 def peers(fabric: Fabric) -> dict[int, int]:
@@ -257,6 +276,14 @@ class PortTable:
         """A switch port's device (its ifindex in the namespace of the switch's ports)
         and MAC: its programs send its PFC frames themselves (without: user space)."""
         self._head(slot, {HEAD_IFINDEX: ifindex, HEAD_MAC: bytes.fromhex(mac.replace(":", ""))})
+
+    def set_history(self, slot: int, index: int, look_ns: int = 0) -> None:
+        """Where the port's programs keep telemetry's looks at its queues (`index`: its
+        entry / PRIOS in the history map; NO_SLOT: nowhere), every `look_ns` (0: not)."""
+        self._head(slot, {HEAD_HISTORY: index, HEAD_LOOK_NS: look_ns})
+
+    def set_look_ns(self, slot: int, look_ns: int) -> None:
+        self._head(slot, {HEAD_LOOK_NS: look_ns})
 
     def set_pause_quanta(self, slot: int, quanta: int) -> None:
         """The pause time of the XOFF frames the port's programs send."""
@@ -332,16 +359,23 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
-    def pfc_and_marks(self, slot: int, prio: int) -> tuple[int, int, int, int, int]:
-        """(PFC frames sent pausing, sent resuming, received pausing, received
-        resuming, CE marks): what the controller reports of every port, in one unpack."""
-        ce, *pfc = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, prio))
-        return (*pfc, ce)
+    def pfc_and_marks(self, slot: int) -> list[tuple[int, int, int, int, int]]:
+        """Per priority: (PFC frames sent pausing, sent resuming, received pausing,
+        received resuming, CE marks): what the controller reports of every port ten
+        times a second, in one unpack per port."""
+        v = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, 0))
+        return [(*v[i + 1:i + 5], v[i]) for i in range(0, len(v), 5)]
 
     def queues(self, slots: np.ndarray, prios: np.ndarray, now_ns: int) -> np.ndarray:
         """What telemetry reads of many queues at once (~30 every 5 ms: one object per
         queue per look was most of its CPU): rows of (backlog bytes, backlog packets,
         packets sent, drops, CE marks, paused (0/1) at now_ns), int64."""
+        rows = self.queue_states(slots, prios)
+        rows[:, 5] = rows[:, 5] > now_ns
+        return rows
+
+    def queue_states(self, slots: np.ndarray, prios: np.ndarray) -> np.ndarray:
+        """Rows of LOOK_FIELDS (as the programs note them in the history), int64."""
         import numpy as np      # (the controller apps import this module too, numpy-less)
         if self._words is None:
             self._words = np.frombuffer(self.mem, dtype=np.uint64,
@@ -353,7 +387,7 @@ class PortTable:
             np.int64)
         inb, outb, inp, outp, drops, ce, adjust, paused_until = block.T
         return np.stack([np.maximum(0, inb - outb - adjust), np.maximum(0, inp - outp), outp,
-                         drops, ce, (paused_until > now_ns).astype(np.int64)], axis=1)
+                         drops, ce, paused_until], axis=1)
 
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
@@ -365,6 +399,29 @@ class PortTable:
 
     def close(self) -> None:
         self._words = None          # (a view of the mapping: it must go first)
+        self.mem.close()
+        self.map.close()
+
+
+class History:
+    """The programs' looks at every switch queue (struct history), mapped into this
+    process: telemetry reads finished periods from it (lab/telemetry.py)."""
+
+    def __init__(self, m: bpf.Map):
+        import numpy as np      # (see PortTable.queue_states)
+        self.map = m
+        self.mem = m.mmap()
+        self.looks: np.ndarray | None = np.frombuffer(
+            self.mem, dtype=np.uint64, count=m.max_entries * HISTORY_BYTES // 8).reshape(
+            m.max_entries, HISTORY_LOOKS, 1 + len(LOOK_FIELDS))
+
+    @classmethod
+    def open(cls, fabric: Fabric, pin_dir: Path = PIN_DIR) -> "History":
+        n = max(1, len(history_entries(fabric))) * PRIOS
+        return cls(bpf.Map.open_pinned(pin_dir / "history", HISTORY_BYTES, n))
+
+    def close(self) -> None:
+        self.looks = None           # (a view of the mapping: it must go first)
         self.mem.close()
         self.map.close()
 
@@ -383,12 +440,13 @@ class Dataplane:
     """The programs of one running fabric: loaded and attached at build, the maps pinned."""
 
     def __init__(self, fabric: Fabric, table: PortTable, events: bpf.Map, origins: bpf.Map,
-                 sends: bpf.Map):
+                 sends: bpf.Map, history: bpf.Map):
         self.fabric = fabric
         self.table = table
         self.events = events
         self.origins = origins
         self.sends = sends
+        self.history = history
         self.sender: subprocess.Popen | None = None
         self.slots = slots(fabric)
         self.slot_of = {(s.node, s.port): i for i, s in enumerate(self.slots)}
@@ -412,16 +470,22 @@ class Dataplane:
         origins = bpf.Map.create(bpf.BPF_MAP_TYPE_LRU_HASH, ORIGIN_KEY_BYTES, ORIGIN_BYTES,
                                  ORIGINS, name="fl_origins")
         sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, SENDS_BYTES, name="fl_sends")
+        entries = history_entries(fabric)
+        history = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, HISTORY_BYTES,
+                                 max(1, len(entries)) * PRIOS, flags=bpf.BPF_F_MMAPABLE,
+                                 name="fl_history")
         ports.pin(pin_dir / "ports")
         events.pin(pin_dir / "events")
         origins.pin(pin_dir / "origins")
         sends.pin(pin_dir / "sends")
-        dp = cls(fabric, PortTable(ports), events, origins, sends)
+        history.pin(pin_dir / "history")
+        dp = cls(fabric, PortTable(ports), events, origins, sends, history)
         rate = {(end, port): ln.rate_mbps for ln in fabric.links
                 for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
         dpid = {sw.name: sw.dpid for sw in fabric.switches}
         for i, s in enumerate(all_slots):
             dp.table.set_link(i, rate[(s.node, s.port)])
+            dp.table.set_history(i, entries[i] // PRIOS if s.switch else NO_SLOT)
             if s.switch:
                 dp.table.set_mac(i, socket.if_nametoindex(s.intf),
                                  pause.port_mac(dpid[s.node], s.port))
@@ -476,7 +540,8 @@ class Dataplane:
         """A link end's programs: ingress everywhere, egress on a switch port."""
         s, other = self.slots[slot], peers(self.fabric)[slot]
         maps = {"ports": self.table.map.fd, "events": self.events.fd,
-                "origins": self.origins.fd, "sends": self.sends.fd}
+                "origins": self.origins.fd, "sends": self.sends.fd,
+                "history": self.history.fd}
         nl.add_clsact(ifindex)
         progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
                   {"port_slot": slot, "switch_port": int(s.switch),
@@ -544,6 +609,7 @@ class Dataplane:
         self.events.close()
         self.origins.close()
         self.sends.close()
+        self.history.close()
 
 
 def pinned(pin_dir: Path = PIN_DIR) -> list[str]:

@@ -11,10 +11,11 @@
  * what the port's flag says now, if the port's last frame on the wire said
  * otherwise (the port's egress program counts the frame and notes it). Every XON is
  * handed over, sent or not (and an XOFF a program could not send), and each port told
- * of is looked at again RECHECK_NS later: two decisions on two CPUs at once (an XOFF
- * sent by a program, an XON sent here or by another program) may put their frames on
- * the wire in the other order, and a frame still on its way in a program looks like
- * no frame for a moment.
+ * of is looked at again RECHECK_NS later (at the next wake-up after that, at most
+ * RECHECK_LATEST_MS): two decisions on two CPUs at once (an XOFF sent by a program,
+ * an XON sent here or by another program) may put their frames on the wire in the
+ * other order, and a frame still on its way in a program looks like no frame for a
+ * moment.
  * A C process, not the controller app: a Python wake-up per XON cost ~80 us of CPU
  * (the lab's own CPU was most of it in the PFC incast); this costs a few.
  *
@@ -43,6 +44,9 @@
 #define RINGBUF_DISCARD (1U << 30)
 #define RINGBUF_HDR 8
 #define RECHECK_NS 1000000
+/* A recheck waits for the next request's wake-up (one every ~2 ms in the incast), or
+ * this long at most: a wake-up of its own per recheck was half this process's CPU */
+#define RECHECK_LATEST_MS 5
 
 static volatile sig_atomic_t stop;
 
@@ -213,7 +217,8 @@ int main(int argc, char **argv)
 		}
 		if (cons != prod)
 			continue;
-		if (epoll_wait(ep, &ev, 1, rechecks ? 1 : 1000) < 0 && errno != EINTR) {
+		if (epoll_wait(ep, &ev, 1, rechecks ? RECHECK_LATEST_MS : 1000) < 0 &&
+		    errno != EINTR) {
 			perror("pfc-sender: epoll_wait");
 			return 1;
 		}

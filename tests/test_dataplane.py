@@ -61,18 +61,22 @@ class Programs:
                                  dataplane.ORIGIN_BYTES, 1024, name="fl_test")
         sends = bpf.Map.create(bpf.BPF_MAP_TYPE_RINGBUF, 0, 0, dataplane.SENDS_BYTES,
                                name="fl_test")
+        history = bpf.Map.create(bpf.BPF_MAP_TYPE_ARRAY, 4, dataplane.HISTORY_BYTES,
+                                 slots * dataplane.PRIOS, flags=bpf.BPF_F_MMAPABLE,
+                                 name="fl_test")
         self.table = dataplane.PortTable(ports)
         self.ring = bpf.RingBuffer(events)
         self.sends = bpf.RingBuffer(sends)
+        self.history = dataplane.History(history)
         self.maps = {"ports": ports.fd, "events": events.fd, "origins": origins.fd,
-                     "sends": sends.fd}
-        self.keep = (ports, events, origins, sends)
+                     "sends": sends.fd, "history": history.fd}
+        self.keep = (ports, events, origins, sends, history)
         self.clsact: set[tuple[int, int]] = set()
 
     def pin(self, pin_dir) -> None:
         """The maps pinned where the PFC sender looks for them."""
         pin_dir.mkdir()
-        for m, name in zip(self.keep, ("ports", "events", "origins", "sends")):
+        for m, name in zip(self.keep, ("ports", "events", "origins", "sends", "history")):
             m.pin(pin_dir / name)
 
     def attach(self, pid: int, intf: str, section: str, consts: dict) -> None:
@@ -154,6 +158,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
         t.set_ecn(0, 1 << PRIORITY_ROCE_DATA, KMIN, KMAX, PMAX, queues.red_wlog(KMIN, KMAX),
                   int(queues.AVERAGE_PACKET_BYTES * 8e3 / 10))
         t.set_pfc(0, PRIORITY_ROCE_DATA, XOFF, XON)
+        t.set_history(0, 0, look_ns=5_000_000)     # telemetry's looks at A's queues
         cap, pcap = _capture()
         # 600 frames of 1042 bytes, ~2x the port's rate: the queue fills past Kmax and
         # the buffer, then drains once the sender stops
@@ -170,6 +175,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
         c = t.counters(0, PRIORITY_ROCE_DATA)
         b = t.counters(1, PRIORITY_ROCE_DATA)
         events = [dataplane.parse_event(r) for r in pair.ring.records()]
+        looks = pair.dp.history.looks[PRIORITY_ROCE_DATA].tolist()   # entry 0's priority 3
         kernel = [q for q in tcnl.Netlink(netns.socket_in_netns(
             pair.procs[0].pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK)
         ).qdiscs() if q.kind == "bfifo"]
@@ -193,6 +199,14 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     # ...and held as its MAC would: paused for 0xFFFF quanta from its arrival
     assert b["paused_until_ns"] == rx["t_ns"] + 0xFFFF * 51200
     assert c["pfc_tx_pause"] == 1 and b["pfc_rx_pause"] == 1 and c["pfc_rx_pause"] == 0
+    # telemetry's history: a look per 5 ms period in which a frame came or went (every
+    # period of the ~0.3 s burst and drain: a frame leaves every 0.83 ms), the last one
+    # as the queue stood at the end (empty, every count final); the queue passed Kmax
+    kept = sorted((lk for lk in looks if lk[0]), key=lambda lk: lk[0])
+    periods = [lk[0] for lk in kept]
+    assert len(kept) > 40 and periods == list(range(periods[0], periods[0] + len(kept)))
+    assert kept[-1][1:6] == [0, 0, c["out_packets"], c["drop_packets"], c["ce_marked"]]
+    assert max(lk[1] for lk in kept) > KMAX
 
 
 @requires_root

@@ -54,5 +54,65 @@ def test_the_table_reads_pfc_counts_and_marks_in_one_unpack():
     for i, name in enumerate(("ce_marked", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
                               "pfc_rx_resume")):
         struct.pack_into("=Q", t.mem, at + dataplane.STATE_FIELDS.index(name) * 8, 10 + i)
-    assert t.pfc_and_marks(1, 3) == (11, 12, 13, 14, 10)
-    assert t.pfc_and_marks(1, 2) == t.pfc_and_marks(0, 3) == (0, 0, 0, 0, 0)
+    struct.pack_into("=Q", t.mem, t._state_at(1, 7) + dataplane.STATE_FIELDS.index(
+        "pfc_rx_resume") * 8, 99)
+    assert t.pfc_and_marks(1)[3] == (11, 12, 13, 14, 10)
+    assert t.pfc_and_marks(1)[7] == (0, 0, 0, 99, 0)
+    assert t.pfc_and_marks(1)[2] == t.pfc_and_marks(0)[3] == (0, 0, 0, 0, 0)
+
+
+def test_collecting_the_data_paths_history_fills_periods_without_a_frame():
+    """The programs note a queue's state in the look of the period a frame entered or
+    left it (lab/dataplane.bpf.c, note()); telemetry turns the ring of looks into one
+    row per queue per period: a period without a look holds the one before, a pause
+    counts in the periods it outlasts, and what the ring overwrote before it was read
+    is counted as lost. Fake ring and table: numpy arrays."""
+    from lab import dataplane
+    from lab.telemetry import QueueTelemetry
+
+    period_ns, n = 5_000_000, dataplane.HISTORY_LOOKS
+    fields = 1 + len(dataplane.LOOK_FIELDS)
+
+    class History:
+        looks = np.zeros((2, n, fields), dtype=np.uint64)
+
+    class Table:
+        now = np.zeros((2, 6), dtype=np.int64)
+
+        def queue_states(self, slots, prios):
+            return self.now.copy()
+
+    def look(queue, period, backlog, sent, paused_until_ns=0):
+        History.looks[queue, period % n] = [period, backlog, backlog // 1000, sent, 0, 0,
+                                            paused_until_ns]
+
+    tel = QueueTelemetry(None, None)
+    tel.table, tel._slots, tel._prios = Table(), np.array([0, 1]), np.array([3, 3])
+    tel._columns = Columns(["s:1:3", "s:2:3"])
+    class Netlink:                          # the kernel's counters: none past the program
+        def qdiscs(self):
+            return []
+    # queue 0 fills in period 1001 (paused until mid-1003), drains in 1003
+    look(0, 1001, 9000, 5, paused_until_ns=1003 * period_ns + period_ns // 2)
+    look(0, 1003, 0, 14, paused_until_ns=1003 * period_ns + period_ns // 2)
+    look(1, 1002 - n, 4000, 99)             # queue 1: a look of an earlier lap only
+    state = np.array([[2000, 2, 3, 0, 0, 0], [1000, 1, 7, 0, 0, 0]])
+    Table.now = np.array([[0, 0, 14, 0, 0, 0], [0, 1, 7, 0, 0, 0]])   # queue 1 written off
+    now_ns = 1006 * period_ns + 1           # 1005 may still be written: up to 1004
+    done, state = tel._collect(Netlink(), History(), np.array([0, 1]), state, 1000, period_ns,
+                               100.0, now_ns)
+    assert done == 1005 and tel.periods_lost == 0
+    rows = tel._columns.series()
+    assert [(s.t, s.backlog_bytes, s.sent_packets, s.paused) for s in rows["s:1:3"]] == [
+        (100.0 + 1001 * 0.005, 2000, 3, False), (100.0 + 1002 * 0.005, 9000, 5, True),
+        (100.0 + 1003 * 0.005, 9000, 5, True), (100.0 + 1004 * 0.005, 0, 14, False),
+        (100.0 + 1005 * 0.005, 0, 14, False)]
+    assert [s.backlog_bytes for s in rows["s:2:3"]] == [1000] * 5
+    # no frame touched queue 1 since: its backlog as the table has it now (a write-off)
+    assert state.tolist() == [[0, 0, 14, 0, 0, 1003 * period_ns + period_ns // 2],
+                              [0, 1, 7, 0, 0, 0]]
+    # collected n + 10 periods late: the ring kept the last n - 3 safely
+    done2, _ = tel._collect(Netlink(), History(), np.array([0, 1]), state, done, period_ns,
+                            100.0, (done + n + 11) * period_ns)
+    assert done2 == done + n + 10 and tel.periods_lost == 13
+    assert tel._columns.n == 5 + n - 3

@@ -170,7 +170,7 @@ def pause_delivery_ms(evs: list[dict], flows: list[dict], port, fabric) -> dict:
 def controller_counts(net, switch: str, port: int) -> dict:
     """CE marks on the bottleneck port; PFC frames the congested switch sent, pausing
     (XOFF) and resuming (XON). Read from the data path's table where it runs (exact at
-    this instant), else from the controller's state file (up to 100 ms old)."""
+    this instant), else from the controller's state file."""
     prio = PRIORITY_ROCE_DATA
     if net.dataplane is not None:
         dp = net.dataplane
@@ -240,11 +240,13 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     scale = rc["rate_scale"]
     limited = variant == "none"
     lost0 = ovs.datapath_lost_packets()
+    ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
                            params=rc, allow_timeout=limited,
                            timeout_s=p.none_time_limit_s if limited else 120)
     t1 = time.time()
+    ctx.progress(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)
     after = controller_counts(net, recv_if.switch, recv_if.port)
     lost = ovs.datapath_lost_packets() - lost0
@@ -324,7 +326,6 @@ def run(ctx: RunContext) -> dict:
     out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
     with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
         for variant in p.variant_list:
-            ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
             m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
             h = m["headroom"]
             if h and h["needed_bytes"] is not None:

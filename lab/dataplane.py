@@ -285,6 +285,10 @@ class PortTable:
     def set_look_ns(self, slot: int, look_ns: int) -> None:
         self._head(slot, {HEAD_LOOK_NS: look_ns})
 
+    def look_ns(self, slot: int) -> int:
+        """The period of the looks the port's programs keep (0: none kept)."""
+        return _HEAD.unpack_from(self.mem, self._at(slot))[HEAD_LOOK_NS]
+
     def set_pause_quanta(self, slot: int, quanta: int) -> None:
         """The pause time of the XOFF frames the port's programs send."""
         self._head(slot, {HEAD_PAUSE_QUANTA: quanta})

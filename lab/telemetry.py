@@ -327,6 +327,10 @@ class QueueTelemetry:
         period_ns = round(self.interval_s * 1e9)
         entries = dataplane.history_entries(self.fabric)
         history = dataplane.History.open(self.fabric)
+        if any(self.table.look_ns(slot) for slot in entries):
+            history.close()
+            raise RuntimeError("another telemetry follows this fabric's queues: one at a "
+                               "time (its period is the data path's)")
         try:
             for slot in entries:
                 self.table.set_look_ns(slot, period_ns)

@@ -118,6 +118,35 @@ class Columns:
         f.writelines(f"{t[i]:.4f},{where[j]},{b},{p},{s},{d},{c},{z}\n" for i, j, (b, p, s, d, c, z)
                      in zip(looks.tolist(), queues.tolist(), v[looks, queues].tolist()))
 
+    def summary(self, since: float, until: float) -> dict[str, dict]:
+        """QueueTelemetry.summary, from the rows: a run of minutes holds a million
+        looks, and a QueueSample each took seconds (on a slow machine, most of a
+        chapter's time after its traffic)."""
+        n = self.n
+        lo = np.searchsorted(self.t[:n], since, side="left")
+        hi = np.searchsorted(self.t[:n], until, side="right")
+        if hi - lo < 2:
+            return {}
+        t, v = self.t[lo:hi], self.v[lo:hi]         # (look,), (look, queue, field)
+        first, last = v[0], v[-1]
+        backlog = np.sort(v[:, :, 0], axis=0)
+        looks = hi - lo
+        at = [min(looks - 1, int(q * looks)) for q in (0.5, 0.99)]
+        paused = (np.diff(t)[:, None] * (v[:-1, :, 5] != 0)).sum(axis=0)
+        out = {}
+        for i, key in enumerate(self.keys):
+            if last[i, 2] == first[i, 2] and not last[i, 3] - first[i, 3]:
+                continue
+            out[key] = {"samples": int(looks),
+                        "sent_packets": int(last[i, 2] - first[i, 2]),
+                        "drops_packets": int(last[i, 3] - first[i, 3]),
+                        "ce_marked_packets": int(last[i, 4] - first[i, 4]),
+                        "backlog_bytes_p50": int(backlog[at[0], i]),
+                        "backlog_bytes_p99": int(backlog[at[1], i]),
+                        "backlog_bytes_max": int(backlog[-1, i]),
+                        "paused_s": round(float(paused[i]), 4)}
+        return out
+
     def latest(self) -> dict[str, QueueSample]:
         n = self.n
         if not n:
@@ -458,6 +487,9 @@ class QueueTelemetry:
 
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, dict]:
         """Per "switch:port:priority", over [since, until]: only queues that carried traffic."""
+        if self._columns is not None:
+            self._catch_up()
+            return self._columns.summary(since, until)
         out = {}
         series = self.series
         for key in series:

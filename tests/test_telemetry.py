@@ -116,3 +116,23 @@ def test_collecting_the_data_paths_history_fills_periods_without_a_frame():
                             100.0, (done + n + 11) * period_ns)
     assert done2 == done + n + 10 and tel.periods_lost == 13
     assert tel._columns.n == 5 + n - 3
+
+
+def test_the_summary_from_the_rows_equals_the_one_from_samples():
+    """Columns.summary (numpy over the rows) against QueueTelemetry's summary of
+    QueueSample lists (the sampling mode's), on the same random looks and windows."""
+    from lab.telemetry import QueueTelemetry
+    rng = np.random.default_rng(7)
+    keys = ["s:1:3", "s:2:3", "s:3:0"]
+    cols = Columns(keys)
+    sent = np.zeros(3, dtype=np.int64)
+    for i in range(3000):
+        sent += rng.integers(0, 3, 3) * [1, 1, 0]          # s:3:0 carries nothing
+        rows = np.stack([rng.integers(0, 9000, 3), rng.integers(0, 9, 3), sent,
+                         sent // 50, sent // 7, rng.integers(0, 2, 3)], axis=1)
+        cols.add(1000.0 + i * 0.005, rows)
+    samples = QueueTelemetry(None, None)
+    samples._series = cols.series()
+    for since, until in ((0.0, float("inf")), (1003.0, 1007.5), (1005.0, 1005.004)):
+        assert cols.summary(since, until) == samples.summary(since, until)
+    assert "s:3:0" not in cols.summary(0.0, float("inf"))

@@ -115,8 +115,8 @@ def main() -> None:
         inside(*a.inside)
         return
     from lab.calibrate import two_hosts
+    from lab.core.state import RunLock
     from lab.network import FabricNetwork
-    from lab.state import RunLock
     with RunLock("bench/compiled_ceiling.py"), tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
         with FabricNetwork(two_hosts(FAST_PATH_MBPS), Path(tmp) / "net",

@@ -43,7 +43,7 @@ from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E40
 from lab.gpus import GpuAgents                                      # noqa: E402
 from lab.network import FabricNetwork                               # noqa: E402
 from topologies.fabric import interface_name                               # noqa: E402
-from lab.state import RunLock                                       # noqa: E402
+from lab.core.state import RunLock                                       # noqa: E402
 from lab.telemetry import QueueTelemetry                            # noqa: E402
 from topologies.registry import build_topo                          # noqa: E402
 from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from lab import verify
+from lab.core.state import RunLock
 from lab.network import FabricNetwork
-from lab.state import RunLock
 from topologies.registry import build_topo
 
 SHAPES = {16: dict(spines=2, leaves=4, hosts_per_leaf=4),

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from lab import calibrate
 from lab.calibrate import flow, two_hosts
+from lab.core.state import RunLock
 from lab.gpus import iperf3_tcp
 from lab.network import FabricNetwork
-from lab.state import RunLock
 from traffic.constants import DEFAULT_MTU_BYTES, IMMDT_BYTES, RETH_BYTES
 from traffic.roce import WRITE_OVERHEAD_BYTES
 

@@ -30,12 +30,12 @@ from controllers import protocol
 from lab import allreduce as allreduce_mod
 from lab import report
 from lab.congestion import CongestionParams, read_state, set_congestion
-from lab.errors import LabError
+from lab.core.errors import LabError
+from lab.core.state import RunLock
 from lab.gpus import GpuAgents
 from lab.network import FabricNetwork
 from lab.queues import QueueParams
 from lab.runner import TELEMETRY_INTERVAL_MS, Claim, busiest, write_json_atomic
-from lab.state import RunLock
 from lab.telemetry import QueueTelemetry
 from topologies.base import ParamError
 from topologies.registry import build_topo

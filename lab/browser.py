@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.errors import LabError
+from lab.core.errors import LabError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from lab import paths
+from lab.core import paths
 from traffic.constants import DEFAULT_MTU_BYTES, MRC_MAX_PACKETS_PER_MESSAGE
 
 # (the fabric and the agents are imported where a measurement needs them: `doctor` reads

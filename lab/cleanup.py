@@ -3,7 +3,7 @@
 What is the lab's: OVS bridges and root-namespace links whose names follow the
 lab's own scheme (fl-<role><n>, fl-<role><n>-eth<p>), network namespaces
 named fl-*, the BPF maps pinned under /sys/fs/bpf/fl-dataplane (the programs go
-with the links they are attached to), and the processes recorded in lab/state.py whose command line
+with the links they are attached to), and the processes recorded in lab/core/state.py whose command line
 still carries their marker. Never `mn -c` (it kills by name and deletes every
 OVS bridge on the machine), never a kill by name.
 """
@@ -16,7 +16,8 @@ import subprocess
 import time
 from shutil import which
 
-from lab import dataplane, state
+from lab import dataplane
+from lab.core import state
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lab.errors import LabError, Terminated, UsageError
+from lab.core.errors import LabError, Terminated, UsageError
 from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
@@ -104,8 +104,8 @@ def cmd_doctor(args) -> int:
 
 def cmd_verify(args) -> int:
     from lab import verify
+    from lab.core.state import RunLock
     from lab.network import FabricNetwork
-    from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab verify"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
@@ -128,9 +128,9 @@ def cmd_verify(args) -> int:
 def cmd_up(args) -> int:
     from mininet.log import setLogLevel
 
+    from lab.core.state import RunLock
     from lab.network import FabricNetwork
     from lab.shell import FabricCLI
-    from lab.state import RunLock
     topo = topology_from_args(args)
     with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
@@ -204,7 +204,7 @@ def cmd_tour(args) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f} s] {msg}", flush=True)
     if calibrate.load() is None:   # once per machine: the defaults must fit its speed
-        from lab.state import RunLock
+        from lab.core.state import RunLock
         progress("calibrating this machine first (once; `fabriclab calibrate` redoes it)")
         with RunLock("fabriclab tour: calibrating"):
             calibrate.save(calibrate.measure(progress=progress))
@@ -231,7 +231,7 @@ def cmd_tour(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from lab import calibrate
-    from lab.state import RunLock
+    from lab.core.state import RunLock
     print("calibrating: one GPU host's flow at rising link rates, until it falls behind")
     with RunLock("fabriclab calibrate"):
         c = calibrate.measure(tuple(args.rates) if args.rates else calibrate.SWEEP_MBPS)
@@ -283,7 +283,7 @@ def summary_table(sections: dict[str, dict], rows_max: int = 14) -> str:
 
 def cmd_clean(args) -> int:
     from lab import cleanup
-    from lab.state import RunLock
+    from lab.core.state import RunLock
     with RunLock("fabriclab clean"):
         found = cleanup.clean()
     total = sum(len(v) for v in found.values())
@@ -326,8 +326,8 @@ def cmd_allreduce(args) -> int:
     import numpy as np
 
     from lab import allreduce
+    from lab.core.state import RunLock
     from lab.network import FabricNetwork
-    from lab.state import RunLock
     if args.values is None and args.size_mb is None:
         raise UsageError("give --values V1,V2,... or --size-mb MB")
     if args.values is not None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from controllers import protocol
 from lab import doctor, queues
 from lab import events as lab_events
-from lab.errors import LabError, UsageError
+from lab.core.errors import LabError, UsageError
 from traffic.constants import PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "bpf", "controller", "off")

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 from controllers import protocol
-from lab import ryu, state
-from lab.errors import LabError
+from lab import ryu
+from lab.core import state
+from lab.core.errors import LabError
 from topologies.fabric import Fabric
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -41,9 +41,10 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from lab import bpf, netns, state, tcnl
-from lab.paths import BPF_CACHE_DIR
-from lab.errors import LabError
+from lab import bpf, netns, tcnl
+from lab.core import state
+from lab.core.errors import LabError
+from lab.core.paths import BPF_CACHE_DIR
 from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA

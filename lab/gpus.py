@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from controllers.routes import Forward, routes_for
-from lab import paths, state
-from lab.errors import LabError
+from lab.core import paths, state
+from lab.core.errors import LabError
 from lab.network import FabricNetwork
 from topologies.fabric import Fabric, Host, HostInterface
 from traffic.agent import qpn_for

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from lab.errors import LabError
+from lab.core.errors import LabError
 from traffic.constants import ROCE_V2_UDP_PORT
 
 TABLE = "fl_loss"

@@ -19,7 +19,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from lab.errors import LabError
+from lab.core.errors import LabError
 
 NO_NETEM = ("this kernel has no netem (sch_netem), which link delay and netem loss need. "
             "Run in a full kernel: 'fabriclab vm run -- COMMAND' (the lab VM) or the Vagrant "

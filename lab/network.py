@@ -21,9 +21,10 @@ from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import OVSSwitch, RemoteController
 
-from lab import cleanup, dataplane, ovs, queues, state
+from lab import cleanup, dataplane, ovs, queues
 from lab.controller import Controller
-from lab.errors import LabError, Terminated
+from lab.core import state
+from lab.core.errors import LabError, Terminated
 from topologies.base import FabricTopo
 
 # OVS's send socket (userspace datapath) gets this many times what the switch ports'

@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 from shutil import which
 
-from lab import paths
-from lab.errors import LabError
+from lab.core import paths
+from lab.core.errors import LabError
 
 OVS_CTL = "/usr/share/openvswitch/scripts/ovs-ctl"
 TSO_KEY = "other_config:userspace-tso-enable"

@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from lab.errors import LabError
+from lab.core.errors import LabError
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_ROCE_DATA
 

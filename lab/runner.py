@@ -36,12 +36,12 @@ from controllers import protocol
 from lab import calibrate
 from lab import experiments as experiments_pkg
 from lab import report
-from lab.errors import LabError, UsageError
-from lab.queues import QueueParams
-from lab.network import FabricNetwork
 from lab.capture import FILTERS, CapturePlan, Captures
 from lab.capture import resolve as capture_resolve
-from lab.state import RunLock
+from lab.core.errors import LabError, UsageError
+from lab.core.state import RunLock
+from lab.network import FabricNetwork
+from lab.queues import QueueParams
 from lab.telemetry import QueueTelemetry, render
 from traffic.samples import WIRESHARK_LUA
 from topologies.base import ParamError

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab.errors import LabError
-from lab.paths import RYU_VENV
+from lab.core.errors import LabError
+from lab.core.paths import RYU_VENV
 
 BOOTSTRAP = ["pbr", "wheel", "setuptools"]
 PINS = ["ryu==4.34", "eventlet==0.33.3", "dnspython>=2"]

@@ -19,7 +19,7 @@ from mininet.cli import CLI
 from mininet.log import error, output
 
 from lab import capture, queues
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from topologies.fabric import Fabric
 
 OPENFLOW = "OpenFlow15"       # what the lab's bridges speak (lab/network.py)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from lab import readable, runner
-from lab.errors import LabError
+from lab.core.errors import LabError
 
 RESULTS_DIR = runner.RESULTS_DIR
 

@@ -20,7 +20,7 @@ def machine_calibration():
     from lab import calibrate
     c = calibrate.load()
     if c is None and os.geteuid() == 0:
-        from lab.state import RunLock
+        from lab.core.state import RunLock
         print("\ncalibrating this machine for the suite (once; `fabriclab calibrate` redoes it)")
         with RunLock("test suite: calibrating"):
             c = calibrate.measure()

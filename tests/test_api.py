@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 from lab.api import Lab
-from lab.errors import LabError
+from lab.core.errors import LabError
 
 
 def run_example(name: str, out) -> subprocess.CompletedProcess:

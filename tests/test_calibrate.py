@@ -4,7 +4,8 @@ import json
 import os
 
 from conftest import fabriclab
-from lab import paths, runner
+from lab import runner
+from lab.core import paths
 
 
 def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():

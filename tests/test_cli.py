@@ -2,7 +2,7 @@
 import pytest
 
 from lab import cli
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 
 
 @pytest.mark.parametrize("argv", [["--values", "-0.5,0.3,1.2,0.1"],

@@ -13,7 +13,7 @@ from conftest import fabriclab
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
 from lab import ovs, queues, tcnl
 from lab.congestion import CongestionParams, read_state, set_congestion
-from lab.errors import LabError
+from lab.core.errors import LabError
 from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
 from lab.network import FabricNetwork
 from lab.telemetry import QueueTelemetry

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab import allreduce
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.runner import Claim, RunContext
 
 NAME = "allreduce"

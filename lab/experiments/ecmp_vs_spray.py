@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab.capture import CapturePlan
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.gpus import GpuAgents, explicit_evs
 from lab.runner import Claim, RunContext
 from topologies.fabric import interface_name

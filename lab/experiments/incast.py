@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from lab import ovs
 from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, events, read_state, set_congestion
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext
 from lab.telemetry import write_flow_rates

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.errors import LabError, UsageError
+from lab.core.errors import LabError, UsageError
 from lab.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
 from lab import events

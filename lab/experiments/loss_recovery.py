@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from lab.capture import CapturePlan
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.impair import RandomLoss
 from lab.runner import Claim, RunContext

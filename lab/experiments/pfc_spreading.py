@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, read_state, set_congestion
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.experiments.incast import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
                                    sender_rates, starved)
 from lab.gpus import GpuAgents

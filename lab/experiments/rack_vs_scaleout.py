@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab import allreduce
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.experiments.allreduce import model_time_s
 from lab.runner import Claim, RunContext
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
 from lab.impair import RandomLoss
 from lab.runner import Claim, RunContext

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.congestion import CongestionParams, set_congestion
-from lab.errors import UsageError
+from lab.core.errors import UsageError
 from lab.experiments.incast import rc_params
 from lab.gpus import GpuAgents
 from lab.runner import Claim, RunContext

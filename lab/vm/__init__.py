@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from lab.errors import LabError, UsageError
+from lab.core.errors import LabError, UsageError
 
 # What tests/kernel needs from a kernel: feature -> what it gives.
 KERNEL_FEATURES = {

@@ -26,8 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lab.errors import LabError
-from lab.paths import VM_CACHE_DIR
+from lab.core.errors import LabError
+from lab.core.paths import VM_CACHE_DIR
 from lab.vm import cpio
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import paths
-from lab.errors import LabError
+from lab.core import paths
+from lab.core.errors import LabError
 from lab.vm import image
 from lab.vm.image import Image
 

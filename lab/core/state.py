@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from lab.errors import LabError
-from lab.paths import STATE_DIR
+from lab.core.errors import LabError
+from lab.core.paths import STATE_DIR
 
 LOCK_FILE = STATE_DIR / "lock"
 PIDS_FILE = STATE_DIR / "pids.jsonl"

@@ -1,6 +1,6 @@
 """CongestionControl: ECN marking and PFC for the fabric's switches (os-ken app).
 
-Where the lab runs its per-packet data path (lab/dataplane.py: tc BPF programs on
+Where the lab runs its per-packet data path (lab/kernel/dataplane.py: tc BPF programs on
 every switch port, config["dataplane"] true), the app sets the policy in the
 programs' table and reacts to what they signal through a ring buffer:
 
@@ -15,7 +15,7 @@ the queue, above the headroom this app sizes for every port feeding it:
 2 x (link delay + response) x rate + 2 MTU, the response being `pfc_response_ms`),
 and XON when they fall below the resume threshold. The data path sends the real
 802.1Qbb frame out of that ingress port itself (the programs, or for an XON decided
-on a host's end of a link lab/pfc_sender.c); this app logs the decisions in batches,
+on a host's end of a link lab/kernel/pfc_sender.c); this app logs the decisions in batches,
 refreshes long pauses, and sends a frame only where a port's last one disagrees
 with its flag for RESYNC_S (follow_xoff). The neighbour's ingress program sees the
 frame arrive and signals it at once; the app then closes that port's gate (a switch
@@ -77,7 +77,7 @@ from os_ken.ofproto import ether, ofproto_v1_5
 from controllers.fabric_router import (EGRESS_TABLE, PRIORITY_EGRESS_MARK, PRIORITY_PAUSE_DROP,
                                        logged)
 from controllers.protocol import EVENTS_FILE, STATE_EVERY_S, CongestionConfig, write_state
-from lab import dataplane, netns, queues, tcnl
+from lab.kernel import dataplane, netns, queues, tcnl
 from topologies.fabric import Fabric, interface_name
 from traffic import pause
 from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_ROCE_DATA, Ecn
@@ -96,7 +96,7 @@ IDLE_POLL_S = 0.1
 RECONCILE_S = 0.5
 RECONCILE_SLACK_BYTES = 1600    # a frame in flight to the peer: not a discrepancy
 # a port's last PFC frame disagreeing with its flag this long, with no new decision, is
-# sent by this app: the PFC sender (lab/pfc_sender.c) woke late or not at all (a busy
+# sent by this app: the PFC sender (lab/kernel/pfc_sender.c) woke late or not at all (a busy
 # machine delays its wake-up by milliseconds; the refresh quanta are seconds)
 RESYNC_S = 0.05
 REALTIME_PRIORITY = 20      # SCHED_FIFO, below the kernel's own threads (50)

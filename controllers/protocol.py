@@ -47,7 +47,7 @@ class CongestionConfig:
     pfc_alpha: float = 1.0           # its dynamic threshold: alpha x the free buffer
     sample_ms: float = 2.0           # the sampling period where the app samples the queues
     watchdog_ms: float = 500.0
-    queue: dict = field(default_factory=dict)        # lab/queues.py QueueParams, as a dict
+    queue: dict = field(default_factory=dict)        # lab/kernel/queues.py QueueParams, as a dict
     host_pids: dict = field(default_factory=dict)    # GPU host -> a process in its namespace
     dataplane: bool = False          # the per-packet BPF data path is attached
 

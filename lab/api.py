@@ -33,8 +33,8 @@ from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.core.errors import LabError
 from lab.core.state import RunLock
 from lab.gpus import GpuAgents
+from lab.kernel.queues import QueueParams
 from lab.network import FabricNetwork
-from lab.queues import QueueParams
 from lab.runner import TELEMETRY_INTERVAL_MS, Claim, busiest, write_json_atomic
 from lab.telemetry import QueueTelemetry
 from topologies.base import ParamError

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import queues
 from lab.core import state
 from lab.core.errors import LabError, UsageError
+from lab.kernel import queues
 from topologies.fabric import Fabric, interface_name
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap

@@ -16,8 +16,8 @@ import subprocess
 import time
 from shutil import which
 
-from lab import dataplane
 from lab.core import state
+from lab.kernel import dataplane
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 

@@ -358,7 +358,7 @@ def cmd_allreduce(args) -> int:
 
 
 def cmd_ovs_start(args) -> int:
-    from lab import ovs
+    from lab.kernel import ovs
     kind = ovs.ensure_running()
     print(f"Open vSwitch running ({kind} datapath)")
     return 0

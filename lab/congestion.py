@@ -3,7 +3,7 @@
     set_congestion(net, CongestionParams(ecn="auto", pfc=True))
 
 resolves the ECN mode ("auto": kernel RED where this kernel has sch_red, else the
-per-packet marking of the BPF data path (lab/dataplane.py), else the controller's
+per-packet marking of the BPF data path (lab/kernel/dataplane.py), else the controller's
 sampled marking), puts RED on or off the switches' RoCE queues, hands the
 controller its configuration (controllers/congestion.py) and waits until it has
 applied it. `read_state(net)` returns the controller's counters.
@@ -13,7 +13,7 @@ Thresholds are in bytes of the emulated queues; the defaults suit the default
 DCQCN setting), so DCQCN holds the queue at a few frames.
 
 PFC, where the BPF data path runs, is accounted per ingress port as shared-buffer
-switches do (lab/dataplane.bpf.c): each queue keeps headroom for every port that
+switches do (lab/kernel/dataplane.bpf.c): each queue keeps headroom for every port that
 feeds it, 2 x (link delay + response) x rate + 2 MTU each, and an ingress port
 pauses when the bytes it sent into the switch pass alpha (`pfc_alpha`) x the free
 part of the queue above that headroom, or `xoff_kb` if less; it resumes at the same
@@ -39,9 +39,10 @@ import time
 from dataclasses import dataclass
 
 from controllers import protocol
-from lab import doctor, queues
+from lab import doctor
 from lab import events as lab_events
 from lab.core.errors import LabError, UsageError
+from lab.kernel import queues
 from traffic.constants import PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "bpf", "controller", "off")

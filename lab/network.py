@@ -21,10 +21,11 @@ from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import OVSSwitch, RemoteController
 
-from lab import cleanup, dataplane, ovs, queues
+from lab import cleanup
 from lab.controller import Controller
 from lab.core import state
 from lab.core.errors import LabError, Terminated
+from lab.kernel import dataplane, ovs, queues
 from topologies.base import FabricTopo
 
 # OVS's send socket (userspace datapath) gets this many times what the switch ports'
@@ -133,7 +134,7 @@ class FabricNetwork:
     def lift_ovs_send_buffer(self) -> None:
         """OVS's userspace datapath sends every port's frames through one packet socket
         whose send buffer (the kernel's default: ~93 full frames) would bound what all
-        the switch ports hold together, dropping the excess unseen (lab/ovs.py). It gets
+        the switch ports hold together, dropping the excess unseen (lab/kernel/ovs.py). It gets
         room for every port's buffers. The socket appears with OVS's first send: a
         host's ping of its gateway (answered by the router app through OVS) makes one."""
         ports = queues.switch_ports(self.fabric)

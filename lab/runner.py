@@ -40,8 +40,8 @@ from lab.capture import FILTERS, CapturePlan, Captures
 from lab.capture import resolve as capture_resolve
 from lab.core.errors import LabError, UsageError
 from lab.core.state import RunLock
+from lab.kernel.queues import QueueParams
 from lab.network import FabricNetwork
-from lab.queues import QueueParams
 from lab.telemetry import QueueTelemetry, render
 from traffic.samples import WIRESHARK_LUA
 from topologies.base import ParamError

@@ -18,8 +18,9 @@ import subprocess
 from mininet.cli import CLI
 from mininet.log import error, output
 
-from lab import capture, queues
+from lab import capture
 from lab.core.errors import UsageError
+from lab.kernel import queues
 from topologies.fabric import Fabric
 
 OPENFLOW = "OpenFlow15"       # what the lab's bridges speak (lab/network.py)

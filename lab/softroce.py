@@ -38,9 +38,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import queues
 from lab.core import state
 from lab.core.errors import LabError
+from lab.kernel import queues
 from topologies.fabric import HostInterface
 from traffic import pause, roce
 from traffic.constants import AethSyndrome, Opcode

@@ -1,13 +1,13 @@
 """Queue telemetry: every switch port's per-priority queues, read every few
-milliseconds (the data path's counters, or one rtnetlink dump: lab/tcnl.py).
+milliseconds (the data path's counters, or one rtnetlink dump: lab/kernel/tcnl.py).
 
     with QueueTelemetry(fabric, workdir / "queues.csv") as tel:
         ...traffic...
     tel.summary(t0, t1)["fl-lf0:2:3"]  -> backlog percentiles, drops, marks, pause
 
-Per port and priority (lab/queues.py: the class's tbf gate and what is behind
+Per port and priority (lab/kernel/queues.py: the class's tbf gate and what is behind
 it): backlog bytes and packets, packets sent, drops, ECN marks (RED's own
-counter, the BPF data path's (lab/dataplane.py), or the controller's when it
+counter, the BPF data path's (lab/kernel/dataplane.py), or the controller's when it
 marks: its state file, updated every STATE_EVERY_S (controllers/protocol.py),
 counts a marking period when it ends), and whether the gate is closed (PFC pause). Where the data path runs, its
 programs keep the record: each period (5 ms) they note how every switch queue stood
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab import dataplane, queues, tcnl
+from lab.kernel import dataplane, queues, tcnl
 from topologies.fabric import Fabric
 
 CONTROLLER_READ_S = 0.05

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controllers.routes import hop_distances, switch_graph
-from lab.probe import PairResult, probe
+from lab.kernel.probe import PairResult, probe
 from topologies.fabric import Fabric
 
 

@@ -11,10 +11,10 @@ import pytest
 import wire
 from conftest import fabriclab
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
-from lab import ovs, queues, tcnl
 from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.core.errors import LabError
 from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
+from lab.kernel import ovs, queues, tcnl
 from lab.network import FabricNetwork
 from lab.telemetry import QueueTelemetry
 from topologies.fabric import Fabric, interface_name
@@ -229,7 +229,7 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
     """OVS's userspace datapath sends every port's frames through one packet socket;
     with the kernel's default send buffer (~93 full frames across every port) three
     paused ports holding 50 frames each lost 55 inside OVS, counted by no queue
-    (measured). The lab raises that buffer at build (lab/ovs.py): each port holds what
+    (measured). The lab raises that buffer at build (lab/kernel/ovs.py): each port holds what
     its own buffer admits, and nothing is lost inside the switch.
 
     Each host keeps its port paused as a congested receiver does, re-sending its XOFF
@@ -276,7 +276,7 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
             for proc in pausers:
                 proc.kill()
                 proc.wait()
-    # (a closed gate lets one frame through: lab/queues.py) 3 x ~49 frames, 150 KB: past
+    # (a closed gate lets one frame through: lab/kernel/queues.py) 3 x ~49 frames, 150 KB: past
     # the default buffer's ~93 frames of truesize
     assert lost == 0 and all(b >= 45 * 1042 for b in held.values()), (held, lost, where)
 

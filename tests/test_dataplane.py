@@ -1,4 +1,4 @@
-"""The per-packet data path (lab/dataplane.bpf.c) on one veth pair, without a fabric:
+"""The per-packet data path (lab/kernel/dataplane.bpf.c) on one veth pair, without a fabric:
 two namespaces, a 10 Mb/s htb port like a switch's, the egress program on one end and
 the ingress program on the other, UDP at twice the port's rate. What the programs count
 is held against the wire (a capture at the far end) and against the kernel's qdisc."""
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import requires_root
 from controllers.protocol import CongestionConfig
-from lab import bpf, dataplane, netns, queues, tcnl
+from lab.kernel import bpf, dataplane, netns, queues, tcnl
 from traffic import pause
 from traffic.constants import DSCP_ROCE_DATA, PRIORITY_ROCE_DATA
 
@@ -48,7 +48,7 @@ def test_red_weight_follows_tc():
 
 class Programs:
     """The data path's maps for `slots` link ends, and its programs attached to
-    interfaces in namespaces reached by a process's PID, as lab/dataplane.py does for a
+    interfaces in namespaces reached by a process's PID, as lab/kernel/dataplane.py does for a
     fabric."""
 
     def __init__(self, slots: int):
@@ -289,7 +289,7 @@ class Router:
         dataplane.remove_pins(PIN_DIR)
 
     def start_pfc_sender(self) -> subprocess.Popen:
-        """lab/pfc_sender.c in R's namespace (R's ports are the switch's), on the maps
+        """lab/kernel/pfc_sender.c in R's namespace (R's ports are the switch's), on the maps
         pinned for it."""
         self.dp.pin(PIN_DIR)
         self.pfc_sender = subprocess.Popen(

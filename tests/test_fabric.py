@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fabriclab, requires_root
-from lab.netns import socket_in_netns
+from lab.kernel.netns import socket_in_netns
 from lab.network import FabricNetwork
 from topologies.fabric import interface_name
 from topologies.registry import build_topo
@@ -96,7 +96,7 @@ def test_link_rates_are_real_kernel_queues(tmp_path):
         host_side = net.mininet["g0"].cmd("tc class show dev g0-eth0; tc qdisc show dev g0-eth0")
     for out in (switch_side, host_side):
         assert "class htb 1:1 root rate 50Mbit ceil 50Mbit" in out, out
-        # a class per priority, each behind its gate at the link rate (lab/queues.py)
+        # a class per priority, each behind its gate at the link rate (lab/kernel/queues.py)
         for prio in (0, 3, 6):
             assert f"class htb 1:1{prio} parent 1:1" in out and \
                 f"qdisc tbf 1{prio}: parent 1:1{prio} rate 50Mbit" in out, out

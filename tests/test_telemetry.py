@@ -41,7 +41,7 @@ def test_the_csv_has_a_row_where_a_queue_holds_held_or_changed(tmp_path):
 def test_the_table_reads_pfc_counts_and_marks_in_one_unpack():
     """What the controller reports of every port (controllers/congestion.py), from the
     table's own layout: an array in memory stands in for the mapped BPF map."""
-    from lab import dataplane
+    from lab.kernel import dataplane
 
     class Memory:
         max_entries = 2
@@ -63,11 +63,11 @@ def test_the_table_reads_pfc_counts_and_marks_in_one_unpack():
 
 def test_collecting_the_data_paths_history_fills_periods_without_a_frame():
     """The programs note a queue's state in the look of the period a frame entered or
-    left it (lab/dataplane.bpf.c, note()); telemetry turns the ring of looks into one
+    left it (lab/kernel/dataplane.bpf.c, note()); telemetry turns the ring of looks into one
     row per queue per period: a period without a look holds the one before, a pause
     counts in the periods it outlasts, and what the ring overwrote before it was read
     is counted as lost. Fake ring and table: numpy arrays."""
-    from lab import dataplane
+    from lab.kernel import dataplane
     from lab.telemetry import QueueTelemetry
 
     period_ns, n = 5_000_000, dataplane.HISTORY_LOOKS

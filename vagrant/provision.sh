@@ -37,7 +37,7 @@ PACKAGES=(
     mininet openvswitch-switch iperf3 libiperf0
     tshark tcpdump ethtool iputils-ping net-tools bridge-utils
     iproute2 nftables procps psmisc
-    # the per-packet data path (lab/dataplane.bpf.c: ECN marking, the PFC trigger) is
+    # the per-packet data path (lab/kernel/dataplane.bpf.c: ECN marking, the PFC trigger) is
     # compiled at first use; libbpf-dev gives its helper headers
     clang llvm libbpf-dev libc6-dev
     # Soft-RoCE's user space (rxe verbs provider, ibv_devinfo, ib_write_bw): real RoCE

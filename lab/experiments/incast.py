@@ -19,11 +19,11 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from lab import ovs
 from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
+from lab.kernel import ovs
 from lab.runner import Claim, RunContext
 from lab.telemetry import write_flow_rates
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA

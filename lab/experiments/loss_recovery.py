@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lab.capture import CapturePlan
 from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
-from lab.impair import RandomLoss
+from lab.kernel.impair import RandomLoss
 from lab.runner import Claim, RunContext
 
 NAME = "loss-recovery"

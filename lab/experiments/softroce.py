@@ -6,7 +6,7 @@ in the hosts' namespaces), then with the kernel's real RoCE, rxe, driven by
 perftest's ib_write_bw (the hosts' interfaces moved to the root namespace, where
 Debian 12's rxe works: lab/softroce.py). Each at every `loss_percents` rate:
 nftables drops that share of the RoCE frames arriving at the receiver, counting
-each drop (lab/impair.py), for both alike.
+each drop (lab/kernel/impair.py), for both alike.
 
 Both are measured the same way, on the wire: a capture at the sender's leaf port
 (data out, ACKs/NAKs back), decoded by traffic/roce.py with every ICRC checked.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.gpus import GpuAgents
-from lab.impair import RandomLoss
+from lab.kernel.impair import RandomLoss
 from lab.runner import Claim, RunContext
 from lab.softroce import (Capture, RxeHosts, counter_delta, hw_counters, ib_write_bw,
                           pcap_frames, qp_timeout_ms, require_soft_roce, roce_flow_stats)

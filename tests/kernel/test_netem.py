@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from kernel_lab import echo_rtts_ms, leaf_spine
-from lab.netem import LinkImpairment, Netem
+from lab.kernel.netem import LinkImpairment, Netem
 
 pytestmark = pytest.mark.kernel
 

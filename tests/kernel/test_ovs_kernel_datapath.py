@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kernel_lab import host_pids, leaf_spine
-from lab import ovs, verify
+from lab import verify
+from lab.kernel import ovs
 from topologies.fabric import interface_name
 
 pytestmark = pytest.mark.kernel

@@ -1,5 +1,5 @@
 """The fabric's per-packet data path: ECN marking and the PFC trigger on every switch
-port, as tc BPF programs (lab/dataplane.bpf.c), and the table they share with
+port, as tc BPF programs (lab/kernel/dataplane.bpf.c), and the table they share with
 user space.
 
     dp = Dataplane.attach(fabric, host_pids, queue_params)   # at fabric build
@@ -15,7 +15,7 @@ signals; PFC frames sent and received). The array is mapped into user space,
 so reading every port's counters costs no system call. A switch port's programs
 send its PFC frames themselves as they decide them; an XON decided on a host's end
 of a link (another namespace) goes to a small ring read by the PFC sender
-(lab/pfc_sender.c, a process started with the programs). XOFF, XON and received
+(lab/kernel/pfc_sender.c, a process started with the programs). XOFF, XON and received
 pause frames also go to a ring buffer that the controller app reads: at once for a
 pause frame received (a gate to close) or a frame nobody sent, otherwise in
 batches (its log, its counts). A
@@ -41,10 +41,10 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from lab import bpf, netns, tcnl
 from lab.core import state
 from lab.core.errors import LabError
 from lab.core.paths import BPF_CACHE_DIR
+from lab.kernel import bpf, netns, tcnl
 from topologies.fabric import NAME_PREFIX, Fabric, interface_name
 from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
@@ -184,7 +184,7 @@ def build() -> Path:
 
 
 def build_sender() -> Path:
-    """The PFC sender's executable (lab/pfc_sender.c)."""
+    """The PFC sender's executable (lab/kernel/pfc_sender.c)."""
     return _compile(SENDER, _cached(SENDER, "pfc-sender"))
 
 
@@ -503,7 +503,7 @@ class Dataplane:
 
     def start_sender(self, pin_dir: Path) -> None:
         """The process that sends the PFC frames the programs hand over (an XON decided
-        on a host's end of a link: lab/pfc_sender.c), recorded for cleanup."""
+        on a host's end of a link: lab/kernel/pfc_sender.c), recorded for cleanup."""
         exe = build_sender()
         self.sender = subprocess.Popen([str(exe), str(pin_dir)], stdin=subprocess.DEVNULL)
         state.record_process(self.sender.pid, exe.name, "pfc-sender")

@@ -1,6 +1,6 @@
 """BPF from Python: maps, programs from a clang-built ELF object, ring buffers, mmap.
 
-The lab's data-path programs (lab/dataplane.bpf.c) need only what is here, so
+The lab's data-path programs (lab/kernel/dataplane.bpf.c) need only what is here, so
 neither libbpf's Python bindings nor bpftool are needed at run time:
 
     obj = ElfObject(Path("prog.o"))

@@ -1,6 +1,6 @@
 """Link delay and random loss with netem, on a GPU host's interface.
 
-netem takes the place of the leaf FIFO queues of the interface (those lab/queues.py
+netem takes the place of the leaf FIFO queues of the interface (those lab/kernel/queues.py
 puts under its htb classes, directly or inside a tbf gate), so the shaping above
 still paces at the link rate and netem then holds each packet for the delay, or
 drops it at the loss rate. Whatever classes queues.py makes, every leaf FIFO
@@ -11,7 +11,7 @@ becomes a netem; leaving the context puts the FIFOs back.
 
 Kernels without sch_netem (module-less CI kernels) refuse it: the error says so
 and where to run instead (the lab VM); it is never silently ignored. For loss
-alone, lab/impair.py's nftables RandomLoss works on any kernel.
+alone, lab/kernel/impair.py's nftables RandomLoss works on any kernel.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from lab.core.errors import LabError
 
 NO_NETEM = ("this kernel has no netem (sch_netem), which link delay and netem loss need. "
             "Run in a full kernel: 'fabriclab vm run -- COMMAND' (the lab VM) or the Vagrant "
-            "VM; for loss alone, nftables loss (lab/impair.py) works on any kernel")
+            "VM; for loss alone, nftables loss (lab/kernel/impair.py) works on any kernel")
 FIFOS = ("bfifo", "pfifo")
 
 

@@ -14,7 +14,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from lab.netns import socket_in_netns
+from lab.kernel.netns import socket_in_netns
 from traffic.roce import internet_checksum
 
 ICMP_ECHO_REQUEST, ICMP_ECHO_REPLY = 8, 0

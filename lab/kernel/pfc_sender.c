@@ -19,7 +19,7 @@
  * A C process, not the controller app: a Python wake-up per XON cost ~80 us of CPU
  * (the lab's own CPU was most of it in the PFC incast); this costs a few.
  *
- *     pfc-sender PIN_DIR       (the maps pinned by lab/dataplane.py)
+ *     pfc-sender PIN_DIR       (the maps pinned by lab/kernel/dataplane.py)
  * Exits on SIGTERM, or when the maps are gone.
  */
 #include <errno.h>

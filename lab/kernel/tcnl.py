@@ -5,7 +5,7 @@ Telemetry samples every few milliseconds and PFC must act within a couple: a
 (platform notes), while one RTM_GETQDISC dump of every qdisc, parsed with
 `struct`, takes well under a millisecond. Only what the lab reads is parsed:
 the generic counters (TCA_STATS), RED's mark counter (TCA_XSTATS) and a tbf's
-rate (its gate state, see lab/queues.py).
+rate (its gate state, see lab/kernel/queues.py).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class Netlink:
 
     def __init__(self, sock: socket.socket | None = None):
         """sock: an AF_NETLINK NETLINK_ROUTE socket made in another namespace
-        (lab/netns.py); by default one in the caller's."""
+        (lab/kernel/netns.py); by default one in the caller's."""
         self.sock = sock or socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((0, 0))

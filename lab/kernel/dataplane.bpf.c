@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /* fabriclab's per-packet switch port: ECN marking and the PFC trigger, in the kernel.
  *
- * Two tc programs per link end (lab/dataplane.py loads and attaches them):
+ * Two tc programs per link end (lab/kernel/dataplane.py loads and attaches them):
  *   egress   on a switch port: every frame that enters the port's queues (the
  *            egress hook runs before the qdisc enqueues). It classifies the frame
  *            by DSCP as the port's u32 filters do, drops it when its priority's
@@ -48,7 +48,7 @@
 char ports[4] SEC("maps");
 char events[4] SEC("maps");
 char origins[4] SEC("maps");    /* LRU hash: origin_key -> origin */
-char sends[4] SEC("maps");      /* ring of send_request, read by lab/pfc_sender.c */
+char sends[4] SEC("maps");      /* ring of send_request, read by lab/kernel/pfc_sender.c */
 char history[4] SEC("maps");    /* array of struct history: telemetry's looks per queue */
 
 volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
@@ -315,7 +315,7 @@ static __always_inline int send_pfc(struct __sk_buff *skb, struct port *in, __u3
 }
 
 /* A decision for ingress port `slot` (in): its PFC frame sent at once if this program
- * can reach the port's device (`here`), and lab/pfc_sender.c told of every XON and of
+ * can reach the port's device (`here`), and lab/kernel/pfc_sender.c told of every XON and of
  * an XOFF not sent: it sends what was not sent, from the switch's namespace, and looks
  * again a moment later (an XOFF and an XON decided on two CPUs at once may send their
  * frames in the other order: the port's last frame must say what its flag says; an

@@ -11,13 +11,13 @@ A switch egress port (a veth end in the root namespace, which OVS sends out of):
 
 Every class is bounded in bytes, so backlog and drops show (in `tc -s`, or where
 the BPF data path runs, in its counters: its program drops at the same bound
-first, lab/dataplane.py). The bound
+first, lab/kernel/dataplane.py). The bound
 matters on OVS's userspace datapath: it sends into the veth through an AF_PACKET
 socket whose send buffer holds ~100 KB, and past that it drops silently; the
 classes' buffers together stay under it.
 
 The tbf under each class is its PFC gate: at the link rate it is transparent;
-a pause sets its rate to 1 B/s (lab/tcnl.py: the kernel keeps the queue and
+a pause sets its rate to 1 B/s (lab/kernel/tcnl.py: the kernel keeps the queue and
 resets the tokens on a change, so a resume takes effect at once; htb's own
 classes cannot do this: a class charged at a tiny rate owes up to 60 s).
 

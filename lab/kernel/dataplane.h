@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /* The layouts the data path's programs (dataplane.bpf.c), its PFC sender
- * (pfc_sender.c) and lab/dataplane.py share: change them together (the static
- * asserts below check the sizes lab/dataplane.py declares). */
+ * (pfc_sender.c) and lab/kernel/dataplane.py share: change them together (the static
+ * asserts below check the sizes lab/kernel/dataplane.py declares). */
 #ifndef FL_DATAPLANE_H
 #define FL_DATAPLANE_H
 
@@ -22,10 +22,10 @@
 #define PFC_MARK 0xf1c00000
 #define PFC_MARK_MASK 0xffff0000
 #define PFC_MARK_XOFF 0x100
-#define HTB_DIRECT 0x10000      /* skb->priority 1:0: past lab/queues.py's classes, unshaped */
+#define HTB_DIRECT 0x10000      /* skb->priority 1:0: past queues.py's classes, unshaped */
 #define ORIGIN_L4_BYTES 20      /* UDP + RoCE's BTH (opcode, QP, PSN); TCP's header */
 
-/* lab/dataplane.py declares the same layouts (PORT, EVENT): change both together */
+/* lab/kernel/dataplane.py declares the same layouts (PORT, EVENT): change both together */
 struct prio_cfg {
 	__u32 limit_bytes;      /* the priority's buffer; a frame that does not fit is dropped */
 	__u32 xoff_bytes;       /* 0: not lossless; else the most an ingress may hold */
@@ -117,10 +117,10 @@ struct origin {
 	__u32 prio;
 };
 
-_Static_assert(sizeof(struct port) == 1968, "lab/dataplane.py's PORT_BYTES");
-_Static_assert(sizeof(struct event) == 56, "lab/dataplane.py's EVENT");
-_Static_assert(sizeof(struct origin_key) == 36, "lab/dataplane.py's ORIGIN_KEY_BYTES");
-_Static_assert(sizeof(struct origin) == 16, "lab/dataplane.py's ORIGIN_BYTES");
+_Static_assert(sizeof(struct port) == 1968, "lab/kernel/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct event) == 56, "lab/kernel/dataplane.py's EVENT");
+_Static_assert(sizeof(struct origin_key) == 36, "lab/kernel/dataplane.py's ORIGIN_KEY_BYTES");
+_Static_assert(sizeof(struct origin) == 16, "lab/kernel/dataplane.py's ORIGIN_BYTES");
 
 struct mac_control {
 	__be16 opcode;
@@ -153,15 +153,15 @@ struct history {
 	struct look looks[HISTORY_LOOKS];
 };
 
-_Static_assert(sizeof(struct history) == 3584, "lab/dataplane.py's HISTORY_BYTES");
+_Static_assert(sizeof(struct history) == 3584, "lab/kernel/dataplane.py's HISTORY_BYTES");
 
 /* A PFC frame a program decided but could not send (another namespace than the
- * switch's ports): lab/pfc_sender.c sends it, as the port's flag says then */
+ * switch's ports): lab/kernel/pfc_sender.c sends it, as the port's flag says then */
 struct send_request {
 	__u32 slot;
 	__u32 prio;
 };
 
-_Static_assert(sizeof(struct send_request) == 8, "lab/dataplane.py's SEND_REQUEST_BYTES");
+_Static_assert(sizeof(struct send_request) == 8, "lab/kernel/dataplane.py's SEND_REQUEST_BYTES");
 
 #endif

@@ -114,9 +114,9 @@ def main() -> None:
     if a.inside:
         inside(*a.inside)
         return
-    from lab.calibrate import two_hosts
     from lab.core.state import RunLock
-    from lab.network import FabricNetwork
+    from lab.fabric.calibrate import two_hosts
+    from lab.fabric.network import FabricNetwork
     with RunLock("bench/compiled_ceiling.py"), tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
         with FabricNetwork(two_hosts(FAST_PATH_MBPS), Path(tmp) / "net",

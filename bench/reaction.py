@@ -37,14 +37,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controllers import protocol                                    # noqa: E402
-from lab.capture import Captures                                    # noqa: E402
-from lab.congestion import CongestionParams, events, set_congestion  # noqa: E402
 from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E402
-from lab.gpus import GpuAgents                                      # noqa: E402
-from lab.network import FabricNetwork                               # noqa: E402
+from lab.fabric.capture import Captures                                    # noqa: E402
+from lab.fabric.congestion import CongestionParams, events, set_congestion  # noqa: E402
+from lab.fabric.gpus import GpuAgents                                      # noqa: E402
+from lab.fabric.network import FabricNetwork                               # noqa: E402
 from topologies.fabric import interface_name                               # noqa: E402
 from lab.core.state import RunLock                                       # noqa: E402
-from lab.telemetry import QueueTelemetry                            # noqa: E402
+from lab.fabric.telemetry import QueueTelemetry                            # noqa: E402
 from topologies.registry import build_topo                          # noqa: E402
 from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402
 

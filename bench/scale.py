@@ -8,9 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lab import verify
 from lab.core.state import RunLock
-from lab.network import FabricNetwork
+from lab.fabric import verify
+from lab.fabric.network import FabricNetwork
 from topologies.registry import build_topo
 
 SHAPES = {16: dict(spines=2, leaves=4, hosts_per_leaf=4),

@@ -10,7 +10,7 @@
      bursts, and every wake-up costs (task switch, poll, timers);
   3. the highest link rate at which the GPU hosts keep up (goodput >= 80% of the
      line, sender below 90% CPU): emulation is only faithful below it. This is
-     `fabriclab calibrate` (lab/calibrate.py), which the lab uses to scale its
+     `fabriclab calibrate` (lab/fabric/calibrate.py), which the lab uses to scale its
      experiments' defaults on slower machines.
 
 A 1 KB RoCE MTU carries 1024 payload bytes in a 1102-byte MRC frame (92.9%; RC's
@@ -27,11 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lab import calibrate
-from lab.calibrate import flow, two_hosts
 from lab.core.state import RunLock
-from lab.gpus import iperf3_tcp
-from lab.network import FabricNetwork
+from lab.fabric import calibrate
+from lab.fabric.calibrate import flow, two_hosts
+from lab.fabric.gpus import iperf3_tcp
+from lab.fabric.network import FabricNetwork
 from traffic.constants import DEFAULT_MTU_BYTES, IMMDT_BYTES, RETH_BYTES
 from traffic.roce import WRITE_OVERHEAD_BYTES
 

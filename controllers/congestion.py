@@ -22,7 +22,7 @@ frame arrive and signals it at once; the app then closes that port's gate (a swi
 port, or a GPU host's NIC), as the neighbour's MAC would. No packet-in path, no
 sampling: the reaction is one wake-up of this thread (state["reaction"] holds its
 distribution). A GPU host whose agent's transport
-runs (lab/gpus.py marks it in the table) stops the priority in that transport
+runs (lab/fabric/gpus.py marks it in the table) stops the priority in that transport
 itself, as a NIC's MAC does: its program signals nothing and no gate closes.
 
 Without the data path (a kernel without BPF), it samples the queues instead:

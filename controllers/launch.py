@@ -5,7 +5,7 @@ os-ken 4.x ships no manager command; this is the few lines it takes.
 
 The apps are written against os-ken, the maintained fork of Ryu. The two share
 their API under different names (os_ken.* / ryu.*, OSKenApp / RyuApp), so with
-`--runtime ryu` (in an interpreter that has Ryu: lab/ryu.py) every `os_ken`
+`--runtime ryu` (in an interpreter that has Ryu: lab/fabric/ryu.py) every `os_ken`
 import is answered with its `ryu` module and the same apps run unchanged.
 """
 import argparse

@@ -1,6 +1,6 @@
 """The congestion protocol between the lab and the controller's congestion app: its
 files, its schema, and how each side reads and writes them, in one place that both
-import (the lab: lab/congestion.py; the app: controllers/congestion.py).
+import (the lab: lab/fabric/congestion.py; the app: controllers/congestion.py).
 
 In the run's directory:
     congestion.json           the lab's configuration (CongestionConfig); a new one has

@@ -27,16 +27,17 @@ from typing import Any, Callable
 import numpy as np
 
 from controllers import protocol
-from lab import allreduce as allreduce_mod
 from lab import report
-from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.core.errors import LabError
 from lab.core.state import RunLock
-from lab.gpus import GpuAgents
+from lab.fabric import allreduce as allreduce_mod
+from lab.fabric.congestion import CongestionParams, read_state, set_congestion
+from lab.fabric.gpus import GpuAgents
+from lab.fabric.network import FabricNetwork
+from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel.queues import QueueParams
-from lab.network import FabricNetwork
-from lab.runner import TELEMETRY_INTERVAL_MS, Claim, busiest, write_json_atomic
-from lab.telemetry import QueueTelemetry
+from lab.experiments.base import Claim
+from lab.runner import TELEMETRY_INTERVAL_MS, busiest, write_json_atomic
 from topologies.base import ParamError
 from topologies.registry import build_topo
 

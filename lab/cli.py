@@ -96,16 +96,16 @@ def add_runtime_arg(p: argparse.ArgumentParser) -> None:
 
 # --- commands --------------------------------------------------------------------------
 def cmd_doctor(args) -> int:
-    from lab import doctor
+    from lab.fabric import doctor
     caps = doctor.capabilities()
     print(json.dumps(doctor.as_dict(caps), indent=1) if args.json else doctor.render(caps))
     return 0 if doctor.can_run(caps) else 1
 
 
 def cmd_verify(args) -> int:
-    from lab import verify
     from lab.core.state import RunLock
-    from lab.network import FabricNetwork
+    from lab.fabric import verify
+    from lab.fabric.network import FabricNetwork
     topo = topology_from_args(args)
     with RunLock("fabriclab verify"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
         with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
@@ -129,7 +129,7 @@ def cmd_up(args) -> int:
     from mininet.log import setLogLevel
 
     from lab.core.state import RunLock
-    from lab.network import FabricNetwork
+    from lab.fabric.network import FabricNetwork
     from lab.shell import FabricCLI
     topo = topology_from_args(args)
     with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
@@ -198,7 +198,8 @@ def cmd_run(args) -> int:
 def cmd_tour(args) -> int:
     import time
 
-    from lab import calibrate, readable, tour
+    from lab import readable, tour
+    from lab.fabric import calibrate
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
@@ -230,8 +231,8 @@ def cmd_tour(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from lab import calibrate
     from lab.core.state import RunLock
+    from lab.fabric import calibrate
     print("calibrating: one GPU host's flow at rising link rates, until it falls behind")
     with RunLock("fabriclab calibrate"):
         c = calibrate.measure(tuple(args.rates) if args.rates else calibrate.SWEEP_MBPS)
@@ -245,7 +246,7 @@ def cmd_calibrate(args) -> int:
 def cmd_top(args) -> int:
     import time
 
-    from lab.telemetry import QueueTelemetry, render
+    from lab.fabric.telemetry import QueueTelemetry, render
     if args.interval <= 0:
         raise UsageError("--interval must be positive")
     tel = QueueTelemetry(None, None, interval_ms=min(10.0, args.interval * 1000))
@@ -282,8 +283,8 @@ def summary_table(sections: dict[str, dict], rows_max: int = 14) -> str:
 
 
 def cmd_clean(args) -> int:
-    from lab import cleanup
     from lab.core.state import RunLock
+    from lab.fabric import cleanup
     with RunLock("fabriclab clean"):
         found = cleanup.clean()
     total = sum(len(v) for v in found.values())
@@ -325,9 +326,9 @@ def _values(text: str) -> list[float]:
 def cmd_allreduce(args) -> int:
     import numpy as np
 
-    from lab import allreduce
     from lab.core.state import RunLock
-    from lab.network import FabricNetwork
+    from lab.fabric import allreduce
+    from lab.fabric.network import FabricNetwork
     if args.values is None and args.size_mb is None:
         raise UsageError("give --values V1,V2,... or --size-mb MB")
     if args.values is not None:

@@ -1,20 +1,12 @@
 """The experiment runner: parameters in, a results directory out.
 
-An experiment is a module in lab/experiments/ with
-    NAME, DESCRIPTION
-    TOPOLOGY_DEFAULTS      optional: {topology: {param: value}}, the fabric it suggests
-    SCALED_SIZES           optional: Params fields (message sizes) that shrink with the
-                           link rates on a machine too slow for the defaults
-                           (lab/calibrate.py)
-    Params                 a dataclass (its `topology` field picks the fabric)
-    run(ctx) -> dict       drives the fabric, returns measurements
-    claims(params, metrics) -> list[Claim]   physical claims checked from them
+An experiment is a module in lab/experiments/ (the contract: lab/experiments/base.py).
 The runner splits `--set key=value` between the experiment's and the
 topology's parameters, builds the fabric, runs, and writes
     config.json   parameters, topology, rate scale, machine
     fabric.json   the fabric description
     metrics.json  parameters, measurements, claims (written atomically)
-    queues.csv    every switch queue, sampled every few ms (lab/telemetry.py)
+    queues.csv    every switch queue, sampled every few ms (lab/fabric/telemetry.py)
     report.md, report.html   parameters, claims, tables, plots (plots/)
     logs/         controller log
 """
@@ -28,21 +20,21 @@ import pkgutil
 import platform
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from controllers import protocol
-from lab import calibrate
 from lab import experiments as experiments_pkg
 from lab import report
-from lab.capture import FILTERS, CapturePlan, Captures
-from lab.capture import resolve as capture_resolve
 from lab.core.errors import LabError, UsageError
 from lab.core.state import RunLock
+from lab.experiments.base import RunContext
+from lab.fabric import calibrate
+from lab.fabric.capture import FILTERS, CapturePlan, Captures
+from lab.fabric.capture import resolve as capture_resolve
+from lab.fabric.network import FabricNetwork
+from lab.fabric.telemetry import QueueTelemetry, render
 from lab.kernel.queues import QueueParams
-from lab.network import FabricNetwork
-from lab.telemetry import QueueTelemetry, render
 from traffic.samples import WIRESHARK_LUA
 from topologies.base import ParamError
 from topologies.registry import TOPOLOGIES, make_params
@@ -50,6 +42,7 @@ from topologies.registry import TOPOLOGIES, make_params
 RESULTS_DIR = Path("results")
 TELEMETRY_INTERVAL_MS = 5.0
 LIVE_EVERY_S = 1.0
+NOT_EXPERIMENTS = ("base",)     # lab/experiments/ modules that are not an experiment
 # what is worth seeing in a capture: CNPs, CE-marked packets, pause frames
 CAPTURE_FILTER = "infiniband.bth.opcode == 129 || ip.dsfield.ecn == 3 || macc"
 
@@ -82,33 +75,12 @@ class LiveView:
             previous = self.telemetry.latest()
 
 
-@dataclass
-class Claim:
-    name: str
-    passed: bool
-    measured: Any
-    expected: str
-    unit: str = ""      # of every number in measured, for the report (lab/readable.py)
-
-
-@dataclass
-class RunContext:
-    """What an experiment's run() gets."""
-    net: FabricNetwork
-    params: Any
-    workdir: Path
-    progress: Callable[[str], None]
-    telemetry: QueueTelemetry
-
-    @property
-    def fabric(self):
-        return self.net.fabric
-
-
 def available() -> dict[str, Any]:
     """experiment name -> module."""
     mods = {}
     for info in pkgutil.iter_modules(experiments_pkg.__path__):
+        if info.name in NOT_EXPERIMENTS:
+            continue
         mod = importlib.import_module(f"lab.experiments.{info.name}")
         mods[mod.NAME] = mod
     return mods
@@ -140,7 +112,7 @@ QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb")
 
 def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
     """--set key=value strings -> (experiment params, topology params, queue params).
-    machine_factor < 1 (lab/calibrate.py): the defaults' link rates and message sizes
+    machine_factor < 1 (lab/fabric/calibrate.py): the defaults' link rates and message sizes
     are scaled down by it (rate_scale up), what the user sets is kept."""
     exp_fields = {f.name: f for f in dataclasses.fields(mod.Params)}
     exp_values, topo_values, queue_values = {}, {}, {}
@@ -224,7 +196,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
         capture_mb: float = 20.0, capture_snaplen: int = 0,
         use_dataplane: bool = True) -> tuple[Path, dict]:
-    """capture: switch ports to record (lab/capture.py), each up to capture_mb, or
+    """capture: switch ports to record (lab/fabric/capture.py), each up to capture_mb, or
     ["auto"]: the ports the experiment finds worth it (its capture_plan), capture_mb in
     all; live: print the hottest queues every second while the experiment runs;
     use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run."""

@@ -8,7 +8,7 @@ Here a node name may hold `-`, and three commands show what a newcomer looks for
     queues fl-lf0:1       the port's queues: backlog, drops, CE marks, paused (also g0)
     capture g0 [N] [F]    N packets (default 20) on the port, printed, or saved to F.pcap
 
-Ports are named as everywhere in the lab (lab/capture.py): SWITCH:PORT, an interface
+Ports are named as everywhere in the lab (lab/fabric/capture.py): SWITCH:PORT, an interface
 (fl-lf0-eth1), a GPU host (the switch port it hangs on); a switch means all its ports.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import subprocess
 from mininet.cli import CLI
 from mininet.log import error, output
 
-from lab import capture
 from lab.core.errors import UsageError
+from lab.fabric import capture
 from lab.kernel import queues
 from topologies.fabric import Fabric
 
-OPENFLOW = "OpenFlow15"       # what the lab's bridges speak (lab/network.py)
+OPENFLOW = "OpenFlow15"       # what the lab's bridges speak (lab/fabric/network.py)
 CAPTURE_PACKETS = 20
 
 HELP = """
@@ -64,7 +64,7 @@ class FabricCLI(CLI):
         interfaces = self._ports("queues", line.strip())
         if not interfaces:
             return
-        from lab.telemetry import render
+        from lab.fabric.telemetry import render
         port_of = {intf: f"{sw}:{port}" for sw, port, intf, _ in queues.switch_ports(self.fabric)}
         wanted = {port_of[i] for i in interfaces}
         rows = sorted((k, s) for k, s in self.queue_samples().items()
@@ -124,5 +124,5 @@ class FabricCLI(CLI):
 
     def queue_samples(self) -> dict:
         """Every lab switch queue now: "switch:port:priority" -> QueueSample."""
-        from lab.telemetry import QueueTelemetry
+        from lab.fabric.telemetry import QueueTelemetry
         return QueueTelemetry(self.fabric, None).snapshot()

@@ -13,11 +13,11 @@ FABRICLAB = [sys.executable, "-m", "lab"]
 @pytest.fixture(scope="session", autouse=True)
 def machine_calibration():
     """The experiments run at rates this machine keeps up with, as a user's runs do: its
-    stored calibration (lab/calibrate.py), measured first if it has none (once per
+    stored calibration (lab/fabric/calibrate.py), measured first if it has none (once per
     machine; ~12 s here). Tests choose small sizes themselves; on a slower machine the
     runner scales the default link rates down. FABRICLAB_CALIBRATION picks another file
     (e.g. a slower machine's, to rehearse one)."""
-    from lab import calibrate
+    from lab.fabric import calibrate
     c = calibrate.load()
     if c is None and os.geteuid() == 0:
         from lab.core.state import RunLock
@@ -39,7 +39,7 @@ def pace(machine_factor):
     """A test's own sizes and times, set for the reference machine, scaled as the runner
     scales an experiment's defaults: sizes by size_factor over links slowed by the
     machine factor, so a transfer takes size/factor longer (x2.5 at factor 0.1)."""
-    from lab import calibrate
+    from lab.fabric import calibrate
     size = calibrate.size_factor(machine_factor)
     return Pace(size, size / machine_factor)
 
@@ -65,7 +65,7 @@ def fabriclab(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(autouse=True)
 def no_lab_objects_left():
     """Every test must leave no lab object behind (and starts from none)."""
-    from lab import cleanup
+    from lab.fabric import cleanup
     cleanup.clean()   # what a crash outside the suite left
     yield
     left = cleanup.leftovers()

@@ -7,7 +7,7 @@ import pytest
 
 import wire
 from conftest import fabriclab, requires_root
-from lab.capture import FRAME_BYTES_BOUND
+from lab.fabric.capture import FRAME_BYTES_BOUND
 from topologies.fabric import Fabric, interface_name
 
 pytestmark = requires_root
@@ -121,8 +121,8 @@ def test_gpu_host_honours_real_pfc_frames(tmp_path):
     import time
     from pathlib import Path
 
-    from lab.gpus import GpuAgents
-    from lab.network import FabricNetwork
+    from lab.fabric.gpus import GpuAgents
+    from lab.fabric.network import FabricNetwork
     from topologies.registry import build_topo
     from traffic.constants import PRIORITY_ROCE_DATA
     from traffic.packets import pfc_pause
@@ -167,8 +167,8 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
     import subprocess
     import time
 
-    from lab.gpus import GpuAgents
-    from lab.network import FabricNetwork
+    from lab.fabric.gpus import GpuAgents
+    from lab.fabric.network import FabricNetwork
     from topologies.registry import build_topo
     from traffic.samples import WIRESHARK_LUA
 
@@ -201,8 +201,8 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
 
 @pytest.mark.parametrize("transport", ["rc", "mrc"])
 def test_incast_and_alltoall_deliver_every_byte(tmp_path, transport):
-    from lab.gpus import GpuAgents
-    from lab.network import FabricNetwork
+    from lab.fabric.gpus import GpuAgents
+    from lab.fabric.network import FabricNetwork
     from topologies.registry import build_topo
 
     topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2)

@@ -11,12 +11,12 @@ import pytest
 import wire
 from conftest import fabriclab
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
-from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.core.errors import LabError
 from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
+from lab.fabric.congestion import CongestionParams, read_state, set_congestion
+from lab.fabric.network import FabricNetwork
+from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel import ovs, queues, tcnl
-from lab.network import FabricNetwork
-from lab.telemetry import QueueTelemetry
 from topologies.fabric import Fabric, interface_name
 from topologies.registry import build_topo
 from traffic import pause
@@ -360,7 +360,7 @@ def test_ecn_red_where_the_kernel_has_it_else_a_clear_refusal(tmp_path):
     """Both branches assert: this machine's kernel has no sch_red (the refusal, and auto
     falls back to the BPF data path's marking); a Vagrant VM's has (red is applied and
     is auto's choice). The red mode's marking itself is tested in tests/kernel."""
-    from lab import doctor
+    from lab.fabric import doctor
     has_red = doctor.qdisc_available("red")
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2)
     with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:

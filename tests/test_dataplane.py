@@ -211,7 +211,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
 
 @requires_root
 def test_a_pause_a_transport_honours_is_counted_but_asks_for_no_gate():
-    """A GPU agent's transport stops RoCE data itself when a pause arrives (lab/gpus.py
+    """A GPU agent's transport stops RoCE data itself when a pause arrives (lab/fabric/gpus.py
     marks its host's port): the program counts the frame and signals only the
     priorities nobody there honours, for which user space closes a gate."""
     with Pair() as pair:

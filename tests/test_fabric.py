@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import fabriclab, requires_root
+from lab.fabric.network import FabricNetwork
 from lab.kernel.netns import socket_in_netns
-from lab.network import FabricNetwork
 from topologies.fabric import interface_name
 from topologies.registry import build_topo
 

@@ -10,10 +10,10 @@ import gzip
 from pathlib import Path
 
 from conftest import FABRICLAB, REPO, fabriclab, requires_root
-from lab import cleanup
 from lab.core import paths
 from lab.core.state import RunLock
-from lab.network import FabricNetwork
+from lab.fabric import cleanup
+from lab.fabric.network import FabricNetwork
 from topologies.registry import build_topo
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lab import browser, readable, report, tour
-from lab.runner import Claim
+from lab.experiments.base import Claim
 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
 T0 = 1_764_700_000.0          # unix time, as queues.csv and counted_unix_s hold it

@@ -9,7 +9,7 @@ from mininet.cli import CLI
 
 from lab import shell
 from topologies.fabric import interface_name
-from lab.telemetry import QueueSample
+from lab.fabric.telemetry import QueueSample
 from topologies.registry import build_topo
 
 FABRIC = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2).fabric

@@ -5,7 +5,7 @@ import os
 import pytest
 from mininet.log import setLogLevel
 
-from lab.network import FabricNetwork
+from lab.fabric.network import FabricNetwork
 from topologies.fabric import interface_name
 from lab.shell import FabricCLI
 from topologies.registry import build_topo

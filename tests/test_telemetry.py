@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 
-from lab.telemetry import Columns, QueueSample
+from lab.fabric.telemetry import Columns, QueueSample
 
 
 def test_columns_keep_every_look_past_their_first_allocation():
@@ -67,8 +67,8 @@ def test_collecting_the_data_paths_history_fills_periods_without_a_frame():
     row per queue per period: a period without a look holds the one before, a pause
     counts in the periods it outlasts, and what the ring overwrote before it was read
     is counted as lost. Fake ring and table: numpy arrays."""
+    from lab.fabric.telemetry import QueueTelemetry
     from lab.kernel import dataplane
-    from lab.telemetry import QueueTelemetry
 
     period_ns, n = 5_000_000, dataplane.HISTORY_LOOKS
     fields = 1 + len(dataplane.LOOK_FIELDS)

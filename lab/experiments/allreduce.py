@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab import allreduce
 from lab.core.errors import UsageError
-from lab.runner import Claim, RunContext
+from lab.fabric import allreduce
+from lab.experiments.base import Claim, RunContext
 
 NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
 
-SCALED_SIZES = ("size_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("size_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.capture import CapturePlan
 from lab.core.errors import UsageError
-from lab.gpus import GpuAgents, explicit_evs
-from lab.runner import Claim, RunContext
+from lab.fabric.capture import CapturePlan
+from lab.fabric.gpus import GpuAgents, explicit_evs
+from lab.experiments.base import Claim, RunContext
 from topologies.fabric import interface_name
 
 NAME = "ecmp-vs-spray"
@@ -26,7 +26,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 
                                     "rate_scale": 10000}}
 BALANCE_TOLERANCE = 0.10      # sprayed uplinks within 10% of their mean
 
-SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

@@ -19,13 +19,13 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
-from lab.congestion import CongestionParams, events, read_state, set_congestion
 from lab.core.errors import UsageError
-from lab.gpus import GpuAgents
+from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
+from lab.fabric.congestion import CongestionParams, events, read_state, set_congestion
+from lab.fabric.gpus import GpuAgents
+from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
-from lab.runner import Claim, RunContext
-from lab.telemetry import write_flow_rates
+from lab.experiments.base import Claim, RunContext
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
 from traffic.roce import WRITE_OVERHEAD_BYTES
@@ -44,7 +44,7 @@ SETTLE_S = 0.3          # after a variant: queues drain, counters reach the stat
 DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-table misses
 INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
 
-# flow_kb does not shrink on a slow machine (lab/calibrate.py): DCQCN's constants stretch
+# flow_kb does not shrink on a slow machine (lab/fabric/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
 # x0.10 rates with flows x0.25, the senders ended 26-30% off the fair share, as 300 KB
 # flows do at full rate); the run takes longer instead.

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from lab.core.errors import LabError, UsageError
-from lab.gpus import GpuAgents, explicit_evs
+from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
-from lab import events
-from lab.runner import Claim, RunContext
+from lab.fabric import events
+from lab.experiments.base import Claim, RunContext
 
 NAME = "link-failure"
 DESCRIPTION = "a spine uplink goes down mid all-reduce: RC stalls until rerouted, MRC retires the EV"
@@ -41,7 +41,7 @@ STALL_RATIO = 0.5           # MRC's stall under half of RC's
 WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
 WORKLOADS = ("allreduce", "transfer")
 
-SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

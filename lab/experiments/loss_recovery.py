@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lab.capture import CapturePlan
 from lab.core.errors import UsageError
-from lab.gpus import GpuAgents
+from lab.fabric.capture import CapturePlan
+from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import RandomLoss
-from lab.runner import Claim, RunContext
+from lab.experiments.base import Claim, RunContext
 
 NAME = "loss-recovery"
 DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-back-N vs MRC"
@@ -21,7 +21,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"host_rate_mbps": 20.0, "fabric_rate_mbps": 
                                     "rate_scale": 5000}}
 
 SETTLE_S = 0.3      # after a transfer: its last frames leave, before the next one
-SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lab.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
-from lab.congestion import CongestionParams, read_state, set_congestion
 from lab.core.errors import UsageError
+from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
+from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.experiments.incast import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
                                    sender_rates, starved)
-from lab.gpus import GpuAgents
-from lab.runner import Claim, RunContext
-from lab.telemetry import write_flow_rates
+from lab.fabric.gpus import GpuAgents
+from lab.fabric.telemetry import write_flow_rates
+from lab.experiments.base import Claim, RunContext
 from traffic.constants import PRIORITY_ROCE_DATA
 
 NAME = "pfc-spreading"
@@ -37,7 +37,7 @@ PATH_QUEUES = 3         # leaf 0 uplink, spine to leaf 1, leaf 1 to the host: al
 HOL_LOSS = 0.8          # under PFC the victim keeps less than 80% of its rate alone...
 KEEPS = 0.8             # ...under ECN at least 80% of it
 
-SCALED_SIZES = ("incast_kb", "victim_kb")   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("incast_kb", "victim_kb")   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab import allreduce
 from lab.core.errors import UsageError
 from lab.experiments.allreduce import model_time_s
-from lab.runner import Claim, RunContext
+from lab.fabric import allreduce
+from lab.experiments.base import Claim, RunContext
 
 NAME = "rack-vs-scaleout"
 DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"
@@ -28,7 +28,7 @@ TOPOLOGY_DEFAULTS = {"rack": {"racks": 2, "gpus_per_rack": 4, "scaleout_rate_mbp
                               "fabric_rate_mbps": 8.0, "rate_scale": 50000}}
 MODEL_SPEEDUP_SHARE = 0.6   # measured at the defaults: 3.7x of the model's 4.2x (0.88)
 
-SCALED_SIZES = ("size_kb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("size_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

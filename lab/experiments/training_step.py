@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab.congestion import CongestionParams, set_congestion
 from lab.core.errors import UsageError
 from lab.experiments.incast import rc_params
-from lab.gpus import GpuAgents
-from lab.runner import Claim, RunContext
+from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.gpus import GpuAgents
+from lab.experiments.base import Claim, RunContext
 
 NAME = "training-step"
 DESCRIPTION = "compute + all-reduce steps: GPU idle fraction clean, under incast, with ECN, colliding, sprayed"
@@ -45,7 +45,7 @@ BACKGROUND_FLOW_KB = 200     # each background sender's message, sent again and 
 BACKGROUND_LOAD = 0.8        # the background senders' rates, together, over the GPU's link
 BACKGROUND_COLLECTIVE_IDS = 128
 
-SCALED_SIZES = ("grad_kb",)   # shrink with the link rates on a slow machine (lab/calibrate.py)
+SCALED_SIZES = ("grad_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
 @dataclass
 class Params:

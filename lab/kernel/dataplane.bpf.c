@@ -112,7 +112,7 @@ static __always_inline void notify(__u32 kind, __u32 slot, __u32 prio, __u32 val
 }
 
 /* Queue (p, prio) as it stands now, into its history: the look of the current period
- * (telemetry reads finished periods: lab/telemetry.py). Two CPUs may write one look at
+ * (telemetry reads finished periods: lab/fabric/telemetry.py). Two CPUs may write one look at
  * once; each writes a state the queue was in during the period. */
 static __always_inline void note(struct port *p, __u32 prio, __u64 now)
 {

@@ -410,7 +410,7 @@ class PortTable:
 
 class History:
     """The programs' looks at every switch queue (struct history), mapped into this
-    process: telemetry reads finished periods from it (lab/telemetry.py)."""
+    process: telemetry reads finished periods from it (lab/fabric/telemetry.py)."""
 
     def __init__(self, m: bpf.Map):
         import numpy as np      # (see PortTable.queue_states)

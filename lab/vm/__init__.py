@@ -153,7 +153,7 @@ def _soft_roce_ready() -> bool:
 
 def kernel_missing() -> dict[str, str]:
     """KERNEL_FEATURES this kernel lacks, probed for real."""
-    from lab import doctor
+    from lab.fabric import doctor
     from lab.kernel import ovs
     have = {"netem": _netem_works(), "ovs-kernel-datapath": ovs.kernel_datapath_available(),
             "soft-roce": _soft_roce_ready(), "qdisc-red": doctor.qdisc_available("red")}

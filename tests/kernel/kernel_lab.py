@@ -9,8 +9,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
+from lab.fabric.network import FabricNetwork
 from lab.kernel.probe import probe
-from lab.network import FabricNetwork
 from topologies.registry import build_topo
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernel_lab import host_pids, leaf_spine
-from lab import verify
+from lab.fabric import verify
 from lab.kernel import ovs
 from topologies.fabric import interface_name
 

@@ -39,15 +39,15 @@ import time
 from dataclasses import dataclass
 
 from controllers import protocol
-from lab import doctor
-from lab import events as lab_events
 from lab.core.errors import LabError, UsageError
+from lab.fabric import doctor
+from lab.fabric import events as lab_events
 from lab.kernel import queues
 from traffic.constants import PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "bpf", "controller", "off")
 # The controller's sampling period on the reference machine. On a slower one the runner
-# lowers the link rates (lab/calibrate.py) and the period stretches with them: its
+# lowers the link rates (lab/fabric/calibrate.py) and the period stretches with them: its
 # marking lag is part of the control loop DCQCN's constants were tuned on
 # (traffic/dcqcn.py). Measured with the 8-to-1 incast at x0.10 rates (1 Mb/s, 1200 KB
 # flows): sampling every 1 ms left a sender 33% off the fair share, every 10 ms 7% and

@@ -71,7 +71,7 @@ def two_hosts(rate_mbps: float):
 
 def flow(net, transport: str, nbytes: int) -> dict:
     """One flow g0 -> g1 on a running FabricNetwork: goodput and the sender's CPU."""
-    from lab.gpus import GpuAgents
+    from lab.fabric.gpus import GpuAgents
     with GpuAgents(net, hosts=["g0", "g1"]) as gpus:
         [f] = gpus.transfers([("g0", "g1", nbytes)], transport)
         _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == "g0")
@@ -81,7 +81,7 @@ def flow(net, transport: str, nbytes: int) -> dict:
 
 
 def keeps_up(rate_mbps: float, r: dict) -> bool:
-    from lab.gpus import CPU_BOUND_FRACTION
+    from lab.fabric.gpus import CPU_BOUND_FRACTION
     return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps
             and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
 
@@ -89,7 +89,7 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
 def measure(rates: tuple[float, ...] = SWEEP_MBPS,
             progress: Callable[[str], None] = print) -> Calibration:
     """Rate after rate until a host falls behind."""
-    from lab.network import FabricNetwork
+    from lab.fabric.network import FabricNetwork
     sweep, best = [], 0.0
     with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
         for rate in rates:

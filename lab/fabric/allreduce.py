@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from lab.gpus import GpuAgents
-from lab.network import FabricNetwork
+from lab.fabric.gpus import GpuAgents
+from lab.fabric.network import FabricNetwork
 from topologies.leafspine import LeafSpine, LeafSpineParams
 from topologies.rack import Rack, RackParams
 

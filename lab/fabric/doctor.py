@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from shutil import which
 
-from lab import calibrate
+from lab.fabric import calibrate
 from lab.kernel import dataplane, ovs
 
 SCRATCH_NS = "fl-doctor"

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from controllers import protocol
-from lab import ryu
 from lab.core import state
 from lab.core.errors import LabError
+from lab.fabric import ryu
 from topologies.fabric import Fabric
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

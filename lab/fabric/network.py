@@ -21,10 +21,10 @@ from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import OVSSwitch, RemoteController
 
-from lab import cleanup
-from lab.controller import Controller
 from lab.core import state
 from lab.core.errors import LabError, Terminated
+from lab.fabric import cleanup
+from lab.fabric.controller import Controller
 from lab.kernel import dataplane, ovs, queues
 from topologies.base import FabricTopo
 
@@ -62,7 +62,7 @@ class FabricNetwork:
                  progress=print, verbose: bool = False, controller_runtime: str = "os-ken",
                  machine_factor: float = 1.0, use_dataplane: bool = True):
         self.topo = topo
-        self.machine_factor = machine_factor   # lab/calibrate.py: < 1 on a slower machine
+        self.machine_factor = machine_factor   # lab/fabric/calibrate.py: < 1 on a slower machine
         self.fabric = topo.fabric
         self.workdir = Path(workdir)
         self.queue_params = queue_params or queues.QueueParams()

@@ -18,7 +18,7 @@ import numpy as np
 from controllers.routes import Forward, routes_for
 from lab.core import paths, state
 from lab.core.errors import LabError
-from lab.network import FabricNetwork
+from lab.fabric.network import FabricNetwork
 from topologies.fabric import Fabric, Host, HostInterface
 from traffic.agent import qpn_for
 from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS

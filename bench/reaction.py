@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controllers import protocol                                    # noqa: E402
-from lab.experiments.incast import FRAME_BYTES, rc_params            # noqa: E402
+from lab.experiments.common import FRAME_BYTES, rc_params            # noqa: E402
 from lab.fabric.capture import Captures                                    # noqa: E402
 from lab.fabric.congestion import CongestionParams, events, set_congestion  # noqa: E402
 from lab.fabric.gpus import GpuAgents                                      # noqa: E402

@@ -30,13 +30,13 @@ from controllers import protocol
 from lab import report
 from lab.core.errors import LabError
 from lab.core.state import RunLock
+from lab.experiments.base import Claim
 from lab.fabric import allreduce as allreduce_mod
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel.queues import QueueParams
-from lab.experiments.base import Claim
 from lab.runner import TELEMETRY_INTERVAL_MS, busiest, write_json_atomic
 from topologies.base import ParamError
 from topologies.registry import build_topo

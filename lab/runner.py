@@ -42,7 +42,7 @@ from topologies.registry import TOPOLOGIES, make_params
 RESULTS_DIR = Path("results")
 TELEMETRY_INTERVAL_MS = 5.0
 LIVE_EVERY_S = 1.0
-NOT_EXPERIMENTS = ("base",)     # lab/experiments/ modules that are not an experiment
+NOT_EXPERIMENTS = ("base", "common")    # lab/experiments/ modules that are not one
 # what is worth seeing in a capture: CNPs, CE-marked packets, pause frames
 CAPTURE_FILTER = "infiniband.bth.opcode == 129 || ip.dsfield.ecn == 3 || macc"
 

@@ -12,7 +12,8 @@ import wire
 from conftest import fabriclab
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
 from lab.core.errors import LabError
-from lab.experiments.incast import FAIRNESS_TOLERANCE, starved
+from lab.experiments.common import starved
+from lab.experiments.incast import FAIRNESS_TOLERANCE
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry

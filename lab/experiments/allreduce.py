@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.core.errors import UsageError
-from lab.fabric import allreduce
 from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import model_time_s
+from lab.fabric import allreduce
 
 NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
@@ -78,22 +79,6 @@ def run(ctx: RunContext) -> dict:
     ctx.progress(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
                  f"({m['busbw_over_link']:.0%} of the {m['link_rate_mbps']:.0f} Mb/s link)")
     return m
-
-
-def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
-                 racks: int = 1, up_mbps: float = 0.0) -> float:
-    """The bandwidth term of the alpha-beta model, which no run can beat. A ring moves
-    2(n-1)/n S over every link; a tree's root takes S from each of its children;
-    hierarchical: a ring of the g GPUs of a rack over scale-up (2(g-1)/g S), then a
-    ring across the racks over scale-out on 1/g of the data."""
-    bits = size_bytes * 8
-    if algorithm == "tree":
-        return min(2, n - 1) * bits / (link_mbps * 1e6)
-    if algorithm == "hier":
-        g = n // racks
-        return (2 * (g - 1) / g * bits / (up_mbps * 1e6)
-                + 2 * (racks - 1) / racks * bits / g / (link_mbps * 1e6))
-    return 2 * (n - 1) / n * bits / (link_mbps * 1e6)
 
 
 def claims(params: Params, m: dict) -> list[Claim]:

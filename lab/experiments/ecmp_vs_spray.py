@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab.core.errors import UsageError
+from lab.experiments.base import Claim, RunContext
 from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents, explicit_evs
-from lab.experiments.base import Claim, RunContext
 from topologies.fabric import interface_name
 
 NAME = "ecmp-vs-spray"

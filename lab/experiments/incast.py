@@ -20,15 +20,15 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
+from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rate, rc_params,
+                                    sender_rates, starved)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams, events, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
-from lab.experiments.base import Claim, RunContext
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
-from traffic.dcqcn import time_scale_for
-from traffic.roce import WRITE_OVERHEAD_BYTES
 
 NAME = "incast"
 DESCRIPTION = "N hosts send to one at full rate: drops, then ECN (DCQCN), PFC, ECN+PFC"
@@ -39,10 +39,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
 FAIRNESS_TOLERANCE = 0.20
 STEADY_FROM = 0.5
-FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
-SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-table misses
-INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
 
 # flow_kb does not shrink on a slow machine (lab/fabric/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
@@ -102,38 +99,12 @@ def capture_plan(fabric, params: Params) -> CapturePlan:
                        "frames are left out)")
 
 
-def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
-              path_queues: int = 1) -> dict:
-    """RC through congested ports of this rate: DCQCN's constants stretched to the
-    marking queue (traffic/dcqcn.py); the retransmit timer well above the time the full
-    buffers on the path take to drain, or a sender held by pauses would resend its whole
-    window into a lossless fabric (a storm of duplicates, seen with 1 buffer's worth)."""
-    drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (rate_mbps * 1e3)
-    return {"rate_scale": time_scale or time_scale_for(kmax_kb * 1024, rate_mbps * 1e6),
-            "rto_ms": max(50.0, 4 * drain_ms * path_queues)}
-
-
 def choose_hosts(ctx: RunContext) -> tuple[str, list[str]]:
     hosts = [h.name for h in ctx.fabric.hosts]
     if len(hosts) < ctx.params.senders + 1:
         raise UsageError(f"incast with {ctx.params.senders} senders needs "
                          f"{ctx.params.senders + 1} hosts; the fabric has {len(hosts)}")
     return hosts[0], hosts[1:ctx.params.senders + 1]
-
-
-def rate(times: list[float], counts: list[float], since: float, until: float) -> float:
-    """Growth per second of a sampled counter within [since, until]; 0 with fewer than
-    two samples there (a starved sender counts as 0, not as absent)."""
-    pts = [(t, n) for t, n in zip(times, counts) if since <= t <= until]
-    return ((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-            if len(pts) >= 2 and pts[-1][0] > pts[0][0] else 0.0)
-
-
-def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, float]:
-    """Packets per second each sender put on the wire within [since, until]
-    (retransmissions included)."""
-    return {f["src"]: rate(f["rate_samples"]["t"], f["rate_samples"]["sent"], since, until)
-            for f in flows}
 
 
 def sender_goodputs(flows: list[dict], since: float, until: float) -> dict[str, float]:
@@ -186,30 +157,6 @@ def controller_counts(net, switch: str, port: int) -> dict:
             "xon_frames_sent": sum(c.get("xon_frames_sent", 0) for c in mine),
             "ce_marked_packets": per_port.get(f"{switch}:{port}", {}).get(str(prio), {})
             .get("ce_marked_packets", 0), "t": time.time()}
-
-
-def dataplane_drops(dp, prio: int) -> dict[str, int]:
-    """Every drop the data path counted so far: per switch queue ("SW:PORT:PRIO"), and
-    the RoCE frames each switch took in and sent nowhere ("SW:inside")."""
-    drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
-             for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
-    for sw in {s.node for s in dp.slots if s.switch}:
-        drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
-    return drops
-
-
-def starved(variant: str, drops: dict[str, int]) -> list[str]:
-    """What a lossless variant's drops say about the machine: frames a switch took in
-    and sent nowhere were lost inside OVS's user-space datapath (its receive rings
-    overflowed or its sends failed), which under PFC, with its queues short of their
-    limits, happens when OVS does not get the CPU it needs. Measured: 2 frames in 1 of
-    40 PFC variants on this machine (while a `pip install` ran), 400-530 in 2 of 6
-    beside a qemu VM busy on both cores. (Lossy variants lose a few there too, 2-54 per
-    `none` run: sends to a port whose queue is at its limit.)"""
-    return [f"{variant}: {key.rpartition(':')[0]} lost {n} frames inside OVS's user-space "
-            f"datapath (taken in, sent nowhere): the switch was short of CPU, so this "
-            f"lossless variant's drops come from the machine's load, not from PFC"
-            for key, n in sorted(drops.items()) if key.endswith(f":{INSIDE}") and n > 0]
 
 
 def headroom(net, state: dict, port, p: Params, delivery_ms: dict) -> dict:

@@ -29,8 +29,8 @@ import numpy as np
 from lab.core.errors import LabError, UsageError
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
-from lab.fabric import events
 from lab.experiments.base import Claim, RunContext
+from lab.fabric import events
 
 NAME = "link-failure"
 DESCRIPTION = "a spine uplink goes down mid all-reduce: RC stalls until rerouted, MRC retires the EV"

@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
+from lab.experiments.base import Claim, RunContext
 from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import RandomLoss
-from lab.experiments.base import Claim, RunContext
 
 NAME = "loss-recovery"
 DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-back-N vs MRC"

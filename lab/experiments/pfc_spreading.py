@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
+from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
+                                    sender_rates, starved)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
-from lab.experiments.incast import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
-                                   sender_rates, starved)
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
-from lab.experiments.base import Claim, RunContext
 from traffic.constants import PRIORITY_ROCE_DATA
 
 NAME = "pfc-spreading"

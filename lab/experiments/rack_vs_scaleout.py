@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.core.errors import UsageError
-from lab.experiments.allreduce import model_time_s
-from lab.fabric import allreduce
 from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import model_time_s
+from lab.fabric import allreduce
 
 NAME = "rack-vs-scaleout"
 DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"

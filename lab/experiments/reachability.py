@@ -4,8 +4,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from lab.fabric import verify
 from lab.experiments.base import Claim, RunContext
+from lab.fabric import verify
 
 NAME = "reachability"
 DESCRIPTION = "all-pairs ping over the fabric: reachability, RTT per pair, hop counts"

@@ -29,11 +29,11 @@ import os
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
-from lab.fabric.gpus import GpuAgents
-from lab.kernel.impair import RandomLoss
 from lab.experiments.base import Claim, RunContext
+from lab.fabric.gpus import GpuAgents
 from lab.fabric.softroce import (Capture, RxeHosts, counter_delta, hw_counters, ib_write_bw,
                           pcap_frames, qp_timeout_ms, require_soft_roce, roce_flow_stats)
+from lab.kernel.impair import RandomLoss
 from topologies.fabric import interface_name
 
 NAME = "softroce"

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.core.errors import UsageError
-from lab.experiments.incast import rc_params
+from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import rc_params
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
-from lab.experiments.base import Claim, RunContext
 
 NAME = "training-step"
 DESCRIPTION = "compute + all-reduce steps: GPU idle fraction clean, under incast, with ECN, colliding, sprayed"

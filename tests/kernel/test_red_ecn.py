@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import fabriclab
-from lab.experiments.incast import FRAME_BYTES
+from lab.experiments.common import FRAME_BYTES
 
 pytestmark = pytest.mark.kernel
 

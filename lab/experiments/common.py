@@ -1,0 +1,78 @@
+"""What experiments share (instead of importing each other): the RoCE frame size,
+RC's parameters through congested ports, rates from a transport's samples, the data
+path's drop counts and what they say about the machine, the all-reduce model."""
+from __future__ import annotations
+
+from traffic.constants import DEFAULT_MTU_BYTES
+from traffic.dcqcn import time_scale_for
+from traffic.roce import WRITE_OVERHEAD_BYTES
+
+FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
+SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
+INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
+
+
+def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
+              path_queues: int = 1) -> dict:
+    """RC through congested ports of this rate: DCQCN's constants stretched to the
+    marking queue (traffic/dcqcn.py); the retransmit timer well above the time the full
+    buffers on the path take to drain, or a sender held by pauses would resend its whole
+    window into a lossless fabric (a storm of duplicates, seen with 1 buffer's worth)."""
+    drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (rate_mbps * 1e3)
+    return {"rate_scale": time_scale or time_scale_for(kmax_kb * 1024, rate_mbps * 1e6),
+            "rto_ms": max(50.0, 4 * drain_ms * path_queues)}
+
+
+def rate(times: list[float], counts: list[float], since: float, until: float) -> float:
+    """Growth per second of a sampled counter within [since, until]; 0 with fewer than
+    two samples there (a starved sender counts as 0, not as absent)."""
+    pts = [(t, n) for t, n in zip(times, counts) if since <= t <= until]
+    return ((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+            if len(pts) >= 2 and pts[-1][0] > pts[0][0] else 0.0)
+
+
+def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, float]:
+    """Packets per second each sender put on the wire within [since, until]
+    (retransmissions included)."""
+    return {f["src"]: rate(f["rate_samples"]["t"], f["rate_samples"]["sent"], since, until)
+            for f in flows}
+
+
+def dataplane_drops(dp, prio: int) -> dict[str, int]:
+    """Every drop the data path counted so far: per switch queue ("SW:PORT:PRIO"), and
+    the RoCE frames each switch took in and sent nowhere ("SW:inside")."""
+    drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
+             for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
+    for sw in {s.node for s in dp.slots if s.switch}:
+        drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
+    return drops
+
+
+def starved(variant: str, drops: dict[str, int]) -> list[str]:
+    """What a lossless variant's drops say about the machine: frames a switch took in
+    and sent nowhere were lost inside OVS's user-space datapath (its receive rings
+    overflowed or its sends failed), which under PFC, with its queues short of their
+    limits, happens when OVS does not get the CPU it needs. Measured: 2 frames in 1 of
+    40 PFC variants on this machine (while a `pip install` ran), 400-530 in 2 of 6
+    beside a qemu VM busy on both cores. (Lossy variants lose a few there too, 2-54 per
+    `none` run: sends to a port whose queue is at its limit.)"""
+    return [f"{variant}: {key.rpartition(':')[0]} lost {n} frames inside OVS's user-space "
+            f"datapath (taken in, sent nowhere): the switch was short of CPU, so this "
+            f"lossless variant's drops come from the machine's load, not from PFC"
+            for key, n in sorted(drops.items()) if key.endswith(f":{INSIDE}") and n > 0]
+
+
+def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
+                 racks: int = 1, up_mbps: float = 0.0) -> float:
+    """The bandwidth term of the alpha-beta model, which no run can beat. A ring moves
+    2(n-1)/n S over every link; a tree's root takes S from each of its children;
+    hierarchical: a ring of the g GPUs of a rack over scale-up (2(g-1)/g S), then a
+    ring across the racks over scale-out on 1/g of the data."""
+    bits = size_bytes * 8
+    if algorithm == "tree":
+        return min(2, n - 1) * bits / (link_mbps * 1e6)
+    if algorithm == "hier":
+        g = n // racks
+        return (2 * (g - 1) / g * bits / (up_mbps * 1e6)
+                + 2 * (racks - 1) / racks * bits / g / (link_mbps * 1e6))
+    return 2 * (n - 1) / n * bits / (link_mbps * 1e6)

@@ -38,7 +38,7 @@ from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel.queues import QueueParams
 from lab.runner import TELEMETRY_INTERVAL_MS, busiest, write_json_atomic
-from topologies.base import ParamError
+from topologies.params import ParamError
 from topologies.registry import build_topo
 
 # A later set of agents starts its collective ids past the earlier ones', so a late

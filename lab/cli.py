@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from lab.core.errors import LabError, Terminated, UsageError
-from topologies.base import ParamError
+from topologies.params import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
 

@@ -36,7 +36,7 @@ from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry, render
 from lab.kernel.queues import QueueParams
 from traffic.samples import WIRESHARK_LUA
-from topologies.base import ParamError
+from topologies.params import ParamError, parse_value
 from topologies.registry import TOPOLOGIES, make_params
 
 RESULTS_DIR = Path("results")
@@ -95,16 +95,10 @@ def load(name: str):
 
 
 def _convert(value: str, ftype, key: str):
-    kind = ftype if isinstance(ftype, type) else {"int": int, "float": float, "str": str,
-                                                  "bool": bool}.get(str(ftype), str)
     try:
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return value.lower() in ("true", "1", "yes")
-        return kind(value)
-    except ValueError:
-        raise UsageError(f"--set {key}: expected {kind.__name__}, got {value!r}") from None
+        return parse_value(key, value, ftype)
+    except ParamError as e:
+        raise UsageError(f"--set {e}") from None
 
 
 QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb")

@@ -5,7 +5,7 @@ import pytest
 
 from controllers.routes import Deliver, Forward, routes_for
 from topologies.fabric import interface_name
-from topologies.base import ParamError
+from topologies.params import ParamError
 from topologies.registry import build_topo, make_params
 
 
@@ -78,3 +78,17 @@ def test_oversubscription_follows_from_rates():
 def test_bad_parameters_name_themselves(kind, kw, word):
     with pytest.raises(ParamError, match=word):
         build_topo(kind, **kw)
+
+
+def test_parameters_from_text_are_parsed_in_one_place():
+    """--set values, CLI options and registry keywords all go through parse_value."""
+    from topologies.params import parse_value
+    assert parse_value("spines", "2", "int") == 2 and parse_value("rate", "2.5", float) == 2.5
+    assert parse_value("ecn", "bpf", "str") == "bpf"
+    assert parse_value("live", "yes", "bool") is True and parse_value("live", "0", bool) is False
+    assert parse_value("spines", 3, int) == 3 and parse_value("rate", 10, "float") == 10.0
+    for key, value, ftype in (("spines", "two", "int"), ("live", "maybe", "bool")):
+        with pytest.raises(ParamError, match=f"{key}: expected"):
+            parse_value(key, value, ftype)
+    with pytest.raises(ParamError, match="spines: expected int"):
+        make_params("leaf-spine", spines="2.5")

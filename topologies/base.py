@@ -18,6 +18,7 @@ from mininet.topo import Topo
 
 from topologies.fabric import (NAME_PREFIX, Fabric, Host, HostInterface, Link, Subnet, Switch,
                                interface_name)
+from topologies.params import ParamError
 
 # Emulated links run at Mb/s; real ones at Gb/s. One emulated Mb/s stands for
 # RATE_SCALE real Mb/s: with the default 1000, a 100 Mb/s host link is a
@@ -31,9 +32,6 @@ MAX_HOSTS_PER_SUBNET = 253  # .1 .. .253; .254 is the gateway
 # The longest names must fit Linux's 15-character interface names ("fl-lf253-eth300").
 MAX_SWITCH_PORTS = 999
 
-
-class ParamError(ValueError):
-    """A topology parameter is out of range; the message names it."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 aggregation switches, (k/2)^2 core switches, k/2 hosts per edge: k^3/4 hosts."""
 from dataclasses import dataclass
 
-from topologies.base import FabricParams, FabricTopo, ParamError
+from topologies.base import FabricParams, FabricTopo
+from topologies.params import ParamError
 
 
 @dataclass

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from topologies.base import FabricTopo, ParamError
+from topologies.base import FabricTopo
 from topologies.fattree import FatTree
 from topologies.leafspine import LeafSpine
+from topologies.params import ParamError, parse_value
 from topologies.rack import Rack
 
 TOPOLOGIES: dict[str, type[FabricTopo]] = {
@@ -25,11 +26,7 @@ def make_params(kind: str, **values):
         if key not in fields:
             raise ParamError(f"topology {kind} has no parameter {key!r} "
                              f"(it has: {', '.join(fields)})")
-        ftype = int if fields[key].type in (int, "int") else float
-        try:
-            converted[key] = ftype(value)
-        except (TypeError, ValueError):
-            raise ParamError(f"{key} must be a number, got {value!r}") from None
+        converted[key] = parse_value(key, value, fields[key].type)
     params = cls(**converted)
     params.validate()
     return params

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from controllers import protocol
-from lab import report
+from lab import results
 from lab.core.errors import LabError
 from lab.core.state import RunLock
 from lab.experiments.base import Claim
@@ -37,7 +37,7 @@ from lab.fabric.gpus import GpuAgents
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel.queues import QueueParams
-from lab.runner import TELEMETRY_INTERVAL_MS, busiest, write_json_atomic
+from lab.runner import TELEMETRY_INTERVAL_MS
 from topologies.params import ParamError
 from topologies.registry import build_topo
 
@@ -95,9 +95,7 @@ class Lab:
         try:
             if self.telemetry is not None:
                 self.telemetry.stop()
-                self.metrics["telemetry"] = {
-                    "csv": "queues.csv", "sampling": self.telemetry.sampling(),
-                    "busiest_queues": busiest(self.telemetry.summary())}
+                self.metrics["telemetry"] = results.telemetry_metrics(self.telemetry)
             if self.net is not None:
                 self.net.__exit__(*exc)
             if self.net is not None and self.out is not None:
@@ -214,19 +212,10 @@ class Lab:
 
     def write_report(self) -> Path:
         """metrics.json, report.md and report.html in the lab's directory."""
-        params = dataclasses.asdict(self.topo.params)
-        result = {
-            "experiment": self.name, "params": {}, "topology": {"kind": self.topology, **params},
-            "rate_scale": {"factor": self.topo.params.rate_scale,
-                           "meaning": f"1 emulated Mb/s stands for "
-                                      f"{self.topo.params.rate_scale} real Mb/s"},
-            "datapath": self.net.datapath if self.net else None,
-            "metrics": self.metrics,
-            "claims": [dataclasses.asdict(c) for c in self.claims],
-            "passed": all(c.passed for c in self.claims),
-            "warnings": self.warnings,
-            "timings_s": {"total_s": time.monotonic() - self._t0},
-        }
-        write_json_atomic(self.workdir / "metrics.json", result)
-        report.write(self.workdir, result)
+        config = {"params": {}, "topology": {"kind": self.topology,
+                                             **dataclasses.asdict(self.topo.params)},
+                  "rate_scale": results.rate_scale(self.topo.params.rate_scale),
+                  **(results.fabric_facts(self.net) if self.net else {})}
+        results.write(self.workdir, self.name, config, self.metrics, self.claims,
+                      self.warnings, {}, self._t0)
         return self.workdir / "report.html"

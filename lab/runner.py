@@ -5,7 +5,8 @@ The runner splits `--set key=value` between the experiment's and the
 topology's parameters, builds the fabric, runs, and writes
     config.json   parameters, topology, rate scale, machine
     fabric.json   the fabric description
-    metrics.json  parameters, measurements, claims (written atomically)
+    metrics.json  parameters, measurements, claims (lab/results.py: the schema the
+                  Python API writes too)
     queues.csv    every switch queue, sampled every few ms (lab/fabric/telemetry.py)
     report.md, report.html   parameters, claims, tables, plots (plots/)
     logs/         controller log
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import pkgutil
 import platform
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from controllers import protocol
 from lab import experiments as experiments_pkg
-from lab import report
+from lab import results
 from lab.core.errors import LabError, UsageError
 from lab.core.state import RunLock
 from lab.experiments.base import RunContext
@@ -169,22 +169,6 @@ def scaled_rates(topology: str, suggested: dict, factor: float) -> dict:
     return out
 
 
-def busiest(summary: dict[str, dict], n: int = 8) -> dict[str, dict]:
-    """The queues that held most, over the whole run."""
-    top = sorted(summary.items(), key=lambda kv: -kv[1]["backlog_bytes_p99"])[:n]
-    return dict(top)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temporary file, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run(name: str, settings: list[str], out: Path | None = None,
         progress: Callable[[str], None] = print, capture: list[str] | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
@@ -211,9 +195,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "experiment": name,
         "params": dataclasses.asdict(params),
         "topology": {"kind": params.topology, **dataclasses.asdict(topo_params)},
-        "rate_scale": {"factor": topo_params.rate_scale,
-                       "meaning": f"1 emulated Mb/s stands for {topo_params.rate_scale} "
-                                  f"real Mb/s"},
+        "rate_scale": results.rate_scale(topo_params.rate_scale),
         "fabric": topo.fabric.summary(),
         "queues": dataclasses.asdict(queue_params),
         "controller_runtime": controller_runtime,
@@ -222,17 +204,14 @@ def run(name: str, settings: list[str], out: Path | None = None,
                     "cpus": os.cpu_count()},
         "started": stamp,
     }
-    write_json_atomic(workdir / "config.json", config)
+    results.write_json_atomic(workdir / results.CONFIG_FILE, config)
     t0 = time.monotonic()
     with RunLock(f"fabriclab run {name}"):
         with FabricNetwork(topo, workdir, queue_params, progress=progress,
                            controller_runtime=controller_runtime,
                            machine_factor=factor, use_dataplane=use_dataplane) as net:
-            config["datapath"] = net.datapath
-            config["congestion_datapath"] = "bpf" if net.dataplane else \
-                f"controller sampling ({net.dataplane_missing})"
-            config["ovs_send_buffer_bytes"] = net.ovs_send_buffer_bytes   # userspace datapath
-            write_json_atomic(workdir / "config.json", config)
+            config.update(results.fabric_facts(net))
+            results.write_json_atomic(workdir / results.CONFIG_FILE, config)
             progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
             plan = CapturePlan(capture or [])
             if plan.ports == ["auto"]:
@@ -254,8 +233,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
                     "filters": FILTERS,
                     "open_with": f"wireshark -X lua_script:{WIRESHARK_LUA} FILE.pcap",
                     "display_filter": CAPTURE_FILTER}
-            metrics["telemetry"] = {"csv": "queues.csv", "sampling": telemetry.sampling(),
-                                    "busiest_queues": busiest(telemetry.summary())}
+            metrics["telemetry"] = results.telemetry_metrics(telemetry)
             if telemetry.error:
                 progress(f"warning: queue telemetry stopped: {telemetry.error}")
         timings = dict(net.timings)
@@ -273,22 +251,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
     for w in metrics.get("starved", []):    # a mechanism the machine's load defeated
         warnings.append(w)
         progress("warning: " + w)
-    result = {
-        "experiment": name,
-        "params": config["params"],
-        "topology": config["topology"],
-        "rate_scale": config["rate_scale"],
-        "datapath": config.get("datapath"),
-        "congestion_datapath": config.get("congestion_datapath"),
-        "ovs_send_buffer_bytes": config.get("ovs_send_buffer_bytes"),
-        "metrics": metrics,
-        "claims": [dataclasses.asdict(c) for c in claims],
-        "passed": all(c.passed for c in claims),
-        "warnings": warnings,
-        "timings_s": {**timings, "total_s": time.monotonic() - t0},
-    }
-    write_json_atomic(workdir / "metrics.json", result)
-    report.write(workdir, result)
+    result = results.write(workdir, name, config, metrics, claims, warnings, timings, t0)
     return workdir, result
 
 
@@ -321,7 +284,7 @@ def repeat(name: str, settings: list[str], n: int, out: Path | None = None,
                "all_held": bool(held) and all(k == n for k in held.values())
                and all("error" not in r for r in runs),
                "each_run": runs}
-    write_json_atomic(out / "repeat.json", summary)
+    results.write_json_atomic(out / "repeat.json", summary)
     return out, summary
 
 

@@ -112,16 +112,16 @@ def test_clean_removes_lab_objects_and_spares_foreign_ones():
 
 
 def test_metrics_json_is_never_half_written(tmp_path, monkeypatch):
-    from lab import runner
+    from lab import results
     path = tmp_path / "metrics.json"
-    runner.write_json_atomic(path, {"ok": 1})
+    results.write_json_atomic(path, {"ok": 1})
 
     def exploding_dump(obj, f, **kw):
         f.write('{"half": ')
         raise OSError("disk full")
-    monkeypatch.setattr(runner.json, "dump", exploding_dump)
+    monkeypatch.setattr(results.json, "dump", exploding_dump)
     with pytest.raises(OSError):
-        runner.write_json_atomic(path, {"ok": 2})
+        results.write_json_atomic(path, {"ok": 2})
     assert json.loads(path.read_text()) == {"ok": 1}
 
 

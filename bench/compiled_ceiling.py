@@ -114,13 +114,13 @@ def main() -> None:
     if a.inside:
         inside(*a.inside)
         return
-    from lab.core.state import RunLock
     from lab.fabric.calibrate import two_hosts
-    from lab.fabric.network import FabricNetwork
-    with RunLock("bench/compiled_ceiling.py"), tempfile.TemporaryDirectory() as tmp:
+    from lab.session import Session
+    with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
-        with FabricNetwork(two_hosts(FAST_PATH_MBPS), Path(tmp) / "net",
-                           progress=lambda m: None) as net:
+        with Session(two_hosts(FAST_PATH_MBPS), "bench/compiled_ceiling.py",
+                     Path(tmp) / "net", progress=lambda m: None) as s:
+            net = s.net
             g0, g1 = net.fabric.host("g0"), net.fabric.host("g1")
             gateway = net.fabric.subnet_of(g0.ip).gateway_mac
             args = [sys.executable, __file__, "--inside", g0.interface().name,

@@ -36,16 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controllers import protocol                                    # noqa: E402
-from lab.experiments.common import FRAME_BYTES, rc_params            # noqa: E402
-from lab.fabric.capture import Captures                                    # noqa: E402
+from controllers import protocol                                 # noqa: E402
+from lab.experiments.common import FRAME_BYTES, rc_params         # noqa: E402
+from lab.fabric.capture import Captures                           # noqa: E402
 from lab.fabric.congestion import CongestionParams, events, set_congestion  # noqa: E402
-from lab.fabric.gpus import GpuAgents                                      # noqa: E402
-from lab.fabric.network import FabricNetwork                               # noqa: E402
-from topologies.fabric import interface_name                               # noqa: E402
-from lab.core.state import RunLock                                       # noqa: E402
-from lab.fabric.telemetry import QueueTelemetry                            # noqa: E402
-from topologies.registry import build_topo                          # noqa: E402
+from lab.fabric.gpus import GpuAgents                             # noqa: E402
+from lab.fabric.telemetry import QueueTelemetry                   # noqa: E402
+from lab.session import Session                                   # noqa: E402
+from topologies.fabric import interface_name                      # noqa: E402
+from topologies.registry import build_topo                        # noqa: E402
 from traffic.constants import PRIORITY_ROCE_DATA                    # noqa: E402
 
 RATE_MBPS = 10.0
@@ -232,11 +231,12 @@ def run_mode(net, gpus, mode: str, tmp: Path) -> list[str]:
 def main() -> None:
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=9,
                       host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS, rate_scale=10000)
-    with RunLock("bench/reaction.py"), tempfile.TemporaryDirectory(prefix="fl-bench-") as d:
+    with tempfile.TemporaryDirectory(prefix="fl-bench-") as d:
         for datapath in ("sampling", "bpf"):
             tmp = Path(d) / datapath
-            with FabricNetwork(topo, tmp / "run", use_dataplane=datapath == "bpf",
-                               progress=lambda m: None) as net, GpuAgents(net) as gpus:
+            with Session(topo, "bench/reaction.py", tmp / "run", use_dataplane=datapath == "bpf",
+                         progress=lambda m: None) as s, GpuAgents(s.net) as gpus:
+                net = s.net
                 out = []
                 for mode in ("ecn", "pfc"):
                     out += run_mode(net, gpus, mode, tmp)

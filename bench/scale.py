@@ -4,13 +4,10 @@ Goal (issue 2): 256 hosts fully verified (every ordered pair) in under 60 s on 2
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256]
 """
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
-from lab.core.state import RunLock
 from lab.fabric import verify
-from lab.fabric.network import FabricNetwork
+from lab.session import Session
 from topologies.registry import build_topo
 
 SHAPES = {16: dict(spines=2, leaves=4, hosts_per_leaf=4),
@@ -24,21 +21,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,64,256")
     sizes = [int(s) for s in ap.parse_args().sizes.split(",")]
     rows = []
-    with RunLock("bench/scale.py"):
-        for n in sizes:
-            topo = build_topo("leaf-spine", **SHAPES[n])
-            t0 = time.monotonic()
-            with tempfile.TemporaryDirectory(prefix="fabriclab-bench-") as tmp:
-                with FabricNetwork(topo, Path(tmp), progress=lambda m: None) as net:
-                    t_ready = time.monotonic() - t0
-                    pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
-                    t1 = time.monotonic()
-                    rep = verify.measure(net.fabric, pids)
-                    t_verify = time.monotonic() - t1
-            total = time.monotonic() - t0
-            rows.append((n, t_ready, t_verify, net.timings["teardown_s"], total,
-                         f"{rep.reachable}/{len(rep.pairs)}"))
-            print(f"  {n} hosts done in {total:.1f} s", flush=True)
+    for n in sizes:
+        topo = build_topo("leaf-spine", **SHAPES[n])
+        t0 = time.monotonic()
+        with Session(topo, "bench/scale.py", progress=lambda m: None) as s:
+            net = s.net
+            t_ready = time.monotonic() - t0
+            pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
+            t1 = time.monotonic()
+            rep = verify.measure(net.fabric, pids)
+            t_verify = time.monotonic() - t1
+        total = time.monotonic() - t0
+        rows.append((n, t_ready, t_verify, net.timings["teardown_s"], total,
+                     f"{rep.reachable}/{len(rep.pairs)}"))
+        print(f"  {n} hosts done in {total:.1f} s", flush=True)
     print(f"\n{'hosts':>6} {'build s':>8} {'verify s':>9} {'teardown s':>11} {'total s':>8} "
           f"{'pairs reachable':>16} {'goal':>10}")
     for n, b, v, t, total, reach in rows:

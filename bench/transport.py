@@ -24,14 +24,12 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 from lab.core.state import RunLock
+from lab.session import Session
 from lab.fabric import calibrate
 from lab.fabric.calibrate import flow, two_hosts
 from lab.fabric.gpus import iperf3_tcp
-from lab.fabric.network import FabricNetwork
 from traffic.constants import DEFAULT_MTU_BYTES, IMMDT_BYTES, RETH_BYTES
 from traffic.roce import WRITE_OVERHEAD_BYTES
 
@@ -86,43 +84,43 @@ def main() -> None:
     ap.add_argument("--sweep", default="50,100,200,400")
     a = ap.parse_args()
     nbytes = int(a.rate_mbps * 1e6 / 8 * a.seconds)
-    with RunLock("bench/transport.py"), tempfile.TemporaryDirectory() as tmp:
-        with FabricNetwork(two_hosts(a.rate_mbps), Path(tmp), progress=lambda m: None) as net:
-            tcp = iperf3_tcp(net, "g0", "g1", a.seconds)
-            rc = flow_goodput(net, "rc", nbytes)
-            mrc = flow_goodput(net, "mrc", nbytes)
-            bare = bare_send(net, BARE_FRAMES)
-        with FabricNetwork(two_hosts(FAST_PATH_MBPS), Path(tmp) / "fast",
-                           progress=lambda m: None) as net:
-            fast = {"bare": bare_send(net, BARE_FRAMES),
-                    "RC": flow_goodput(net, "rc", FAST_FLOW_BYTES),
-                    "MRC": flow_goodput(net, "mrc", FAST_FLOW_BYTES)}
-        print(f"\n1. goodput on one {a.rate_mbps:.0f} Mb/s path (g0 -> leaf -> spine -> leaf -> g1)")
-        print(f"   iperf3 TCP  {tcp['received_mbps']:7.1f} Mb/s      (RoCE payload ceiling at a "
-              f"{DEFAULT_MTU_BYTES} B MTU: {PAYLOAD_CEILING * a.rate_mbps:.1f} Mb/s)")
-        for name, r in (("RC", rc), ("MRC", mrc)):
-            print(f"   {name:4} {r['goodput_mbps']:12.1f} Mb/s   / iperf3 = "
-                  f"{r['goodput_mbps'] / tcp['received_mbps']:.2f} (goal >= 1.0)   / line = "
-                  f"{r['goodput_mbps'] / a.rate_mbps:.2f} (goal >= 0.95)   intact {r['intact']}")
-        print(f"\n2. packets per CPU-second of the sending host, flat out on a "
-              f"{FAST_PATH_MBPS:.0f} Mb/s path")
-        print(f"   bare raw-socket send of pre-built frames  {fast['bare']['pps_per_core']:9.0f}")
-        for name in ("RC", "MRC"):
-            r = fast[name]
-            print(f"   {name:4} (all its logic) {r['pps_per_core']:23.0f}   / bare = "
-                  f"{r['pps_per_core'] / fast['bare']['pps_per_core']:.2f} (goal >= 0.5)   "
-                  f"{r['goodput_mbps']:.0f} Mb/s, sender CPU {r['cpu_fraction']:.0%}, "
-                  f"intact {r['intact']}")
-        print(f"   paced at {a.rate_mbps:.0f} Mb/s (part 1's flows; bare "
-              f"{bare['pps_per_core']:.0f}): RC / bare = "
-              f"{rc['pps_per_core'] / bare['pps_per_core']:.2f}, MRC / bare = "
-              f"{mrc['pps_per_core'] / bare['pps_per_core']:.2f}")
-        print("\n3. link rate sweep: do the GPU hosts keep up? (MRC, one flow; "
-              "= fabriclab calibrate)")
+    with Session(two_hosts(a.rate_mbps), "bench/transport.py", progress=lambda m: None) as s:
+        tcp = iperf3_tcp(s.net, "g0", "g1", a.seconds)
+        rc = flow_goodput(s.net, "rc", nbytes)
+        mrc = flow_goodput(s.net, "mrc", nbytes)
+        bare = bare_send(s.net, BARE_FRAMES)
+    with Session(two_hosts(FAST_PATH_MBPS), "bench/transport.py",
+                 progress=lambda m: None) as s:
+        fast = {"bare": bare_send(s.net, BARE_FRAMES),
+                "RC": flow_goodput(s.net, "rc", FAST_FLOW_BYTES),
+                "MRC": flow_goodput(s.net, "mrc", FAST_FLOW_BYTES)}
+    print(f"\n1. goodput on one {a.rate_mbps:.0f} Mb/s path (g0 -> leaf -> spine -> leaf -> g1)")
+    print(f"   iperf3 TCP  {tcp['received_mbps']:7.1f} Mb/s      (RoCE payload ceiling at a "
+          f"{DEFAULT_MTU_BYTES} B MTU: {PAYLOAD_CEILING * a.rate_mbps:.1f} Mb/s)")
+    for name, r in (("RC", rc), ("MRC", mrc)):
+        print(f"   {name:4} {r['goodput_mbps']:12.1f} Mb/s   / iperf3 = "
+              f"{r['goodput_mbps'] / tcp['received_mbps']:.2f} (goal >= 1.0)   / line = "
+              f"{r['goodput_mbps'] / a.rate_mbps:.2f} (goal >= 0.95)   intact {r['intact']}")
+    print(f"\n2. packets per CPU-second of the sending host, flat out on a "
+          f"{FAST_PATH_MBPS:.0f} Mb/s path")
+    print(f"   bare raw-socket send of pre-built frames  {fast['bare']['pps_per_core']:9.0f}")
+    for name in ("RC", "MRC"):
+        r = fast[name]
+        print(f"   {name:4} (all its logic) {r['pps_per_core']:23.0f}   / bare = "
+              f"{r['pps_per_core'] / fast['bare']['pps_per_core']:.2f} (goal >= 0.5)   "
+              f"{r['goodput_mbps']:.0f} Mb/s, sender CPU {r['cpu_fraction']:.0%}, "
+              f"intact {r['intact']}")
+    print(f"   paced at {a.rate_mbps:.0f} Mb/s (part 1's flows; bare "
+          f"{bare['pps_per_core']:.0f}): RC / bare = "
+          f"{rc['pps_per_core'] / bare['pps_per_core']:.2f}, MRC / bare = "
+          f"{mrc['pps_per_core'] / bare['pps_per_core']:.2f}")
+    print("\n3. link rate sweep: do the GPU hosts keep up? (MRC, one flow; "
+          "= fabriclab calibrate)")
+    with RunLock("bench/transport.py"):
         c = calibrate.measure(tuple(float(x) for x in a.sweep.split(",")),
                               progress=lambda m: print("   " + m.strip()))
-        print(f"\n   highest rate at which hosts keep up: "
-              f"{f'{c.keep_up_mbps:g} Mb/s' if c.keep_up_mbps else 'none of those tried'}")
+    print(f"\n   highest rate at which hosts keep up: "
+          f"{f'{c.keep_up_mbps:g} Mb/s' if c.keep_up_mbps else 'none of those tried'}")
 
 
 if __name__ == "__main__":

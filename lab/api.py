@@ -19,17 +19,14 @@ the same plots an experiment gets. Nothing outlives the `with` block.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from controllers import protocol
 from lab import results
 from lab.core.errors import LabError
-from lab.core.state import RunLock
 from lab.experiments.base import Claim
 from lab.fabric import allreduce as allreduce_mod
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
@@ -37,7 +34,7 @@ from lab.fabric.gpus import GpuAgents
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
 from lab.kernel.queues import QueueParams
-from lab.runner import TELEMETRY_INTERVAL_MS
+from lab.session import Session
 from topologies.params import ParamError
 from topologies.registry import build_topo
 
@@ -61,49 +58,31 @@ class Lab:
         self.queues = queues or QueueParams()
         self.progress = progress or (lambda msg: None)
         self.out = Path(out) if out else None
-        self._tmp: tempfile.TemporaryDirectory | None = None
         self.workdir: Path | None = self.out
         self.claims: list[Claim] = []
         self.metrics: dict[str, Any] = {}
         self.warnings: list[str] = []
         self.net: FabricNetwork | None = None
         self.telemetry: QueueTelemetry | None = None
-        self._lock = RunLock(f"lab.api {name}")
+        self._session = Session(self.topo, f"lab.api {name}", self.out, telemetry=True,
+                                queue_params=self.queues, progress=self.progress)
         self._next_collective = 1
         self._t0 = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> "Lab":
         self._t0 = time.monotonic()
-        self._lock.__enter__()
-        if self.out is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="fabriclab-")
-            self.workdir = Path(self._tmp.name)
-        try:
-            self.net = FabricNetwork(self.topo, self.workdir, self.queues,
-                                     progress=self.progress).__enter__()
-            state = self.net.controller.workdir / protocol.STATE_FILE
-            self.telemetry = QueueTelemetry(self.topo.fabric, self.workdir / "queues.csv",
-                                            TELEMETRY_INTERVAL_MS, controller_state=state)
-            self.telemetry.start()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self._session.__enter__()
+        self.net, self.telemetry = self._session.net, self._session.telemetry
+        self.workdir = self._session.workdir
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            if self.telemetry is not None:
-                self.telemetry.stop()
-                self.metrics["telemetry"] = results.telemetry_metrics(self.telemetry)
-            if self.net is not None:
-                self.net.__exit__(*exc)
-            if self.net is not None and self.out is not None:
-                self.write_report()
-        finally:
-            self._lock.__exit__(*exc)
-            if self._tmp is not None:
-                self._tmp.cleanup()
+        self.telemetry.stop()
+        self.metrics["telemetry"] = results.telemetry_metrics(self.telemetry)
+        self._session.__exit__(*exc)
+        if self.out is not None:
+            self.write_report()
 
     # --- the fabric ---------------------------------------------------------------------
     @property

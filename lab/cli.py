@@ -6,7 +6,6 @@ import dataclasses
 import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 from lab.core.errors import LabError, Terminated, UsageError
@@ -103,47 +102,45 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from lab.core.state import RunLock
     from lab.fabric import verify
-    from lab.fabric.network import FabricNetwork
+    from lab.session import Session
     topo = topology_from_args(args)
-    with RunLock("fabriclab verify"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
-        with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
-                           controller_runtime=args.controller_runtime) as net:
-            print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
-            pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
-            report = verify.measure(net.fabric, pids)
-        for line in report.lines():
-            print(line)
-        wrong = report.wrong_hops
-        if wrong:
-            p, r = wrong[0]
-            print(f"warning: {len(wrong)} pairs took a longer path than the shortest "
-                  f"(e.g. {p.src}->{p.dst}: {r.hops} hops, expected {p.expected_hops})")
-        print(f"built in {net.timings['build_s']:.1f} s, torn down in "
-              f"{net.timings['teardown_s']:.1f} s")
+    with Session(topo, "fabriclab verify", verbose=args.verbose,
+                 controller_runtime=args.controller_runtime) as s:
+        net = s.net
+        print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
+        pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
+        report = verify.measure(net.fabric, pids)
+    for line in report.lines():
+        print(line)
+    wrong = report.wrong_hops
+    if wrong:
+        p, r = wrong[0]
+        print(f"warning: {len(wrong)} pairs took a longer path than the shortest "
+              f"(e.g. {p.src}->{p.dst}: {r.hops} hops, expected {p.expected_hops})")
+    print(f"built in {net.timings['build_s']:.1f} s, torn down in "
+          f"{net.timings['teardown_s']:.1f} s")
     return 0 if report.reachable == len(report.pairs) else 1
 
 
 def cmd_up(args) -> int:
     from mininet.log import setLogLevel
 
-    from lab.core.state import RunLock
-    from lab.fabric.network import FabricNetwork
+    from lab.session import Session
     from lab.shell import FabricCLI
     topo = topology_from_args(args)
-    with RunLock("fabriclab up"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
-        with FabricNetwork(topo, Path(tmp), verbose=args.verbose,
-                           controller_runtime=args.controller_runtime) as net:
-            hosts = [h.name for h in net.fabric.hosts]
-            leaf = net.fabric.host(hosts[0]).interface().switch
-            print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; try:\n"
-                  f"  {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}\n"
-                  f"  flows {leaf}     queues {hosts[0]}     capture {hosts[0]} 10\n"
-                  f"  {leaf} ovs-ofctl -O OpenFlow15 dump-ports {leaf}\n"
-                  f"  help   (exit: Ctrl-D)")
-            setLogLevel("info" if args.verbose else "output")   # the CLI prints at "output"
-            FabricCLI(net.mininet, net.fabric)
+    with Session(topo, "fabriclab up", verbose=args.verbose,
+                 controller_runtime=args.controller_runtime) as s:
+        net = s.net
+        hosts = [h.name for h in net.fabric.hosts]
+        leaf = net.fabric.host(hosts[0]).interface().switch
+        print(f"{net.fabric.summary()} is up. GPU hosts {hosts[0]}..{hosts[-1]}; try:\n"
+              f"  {hosts[0]} ping -c1 {net.fabric.hosts[-1].ip}\n"
+              f"  flows {leaf}     queues {hosts[0]}     capture {hosts[0]} 10\n"
+              f"  {leaf} ovs-ofctl -O OpenFlow15 dump-ports {leaf}\n"
+              f"  help   (exit: Ctrl-D)")
+        setLogLevel("info" if args.verbose else "output")   # the CLI prints at "output"
+        FabricCLI(net.mininet, net.fabric)
     return 0
 
 
@@ -326,9 +323,8 @@ def _values(text: str) -> list[float]:
 def cmd_allreduce(args) -> int:
     import numpy as np
 
-    from lab.core.state import RunLock
     from lab.fabric import allreduce
-    from lab.fabric.network import FabricNetwork
+    from lab.session import Session
     if args.values is None and args.size_mb is None:
         raise UsageError("give --values V1,V2,... or --size-mb MB")
     if args.values is not None:
@@ -340,11 +336,10 @@ def cmd_allreduce(args) -> int:
         elems = max(1, int(args.size_mb * 1e6 / 4))
         tensors = [rng.standard_normal(elems).astype(np.float32) for _ in range(args.gpus)]
     topo = allreduce.fabric_for(len(tensors), args.algorithm)
-    with RunLock("fabriclab allreduce"), tempfile.TemporaryDirectory(prefix="fabriclab-") as tmp:
-        with FabricNetwork(topo, Path(tmp)) as net:
-            print(f"all-reduce ({args.algorithm}, {args.transport}) of "
-                  f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
-            m = allreduce.run(net, tensors, args.transport, algorithm=args.algorithm)
+    with Session(topo, "fabriclab allreduce") as s:
+        print(f"all-reduce ({args.algorithm}, {args.transport}) of "
+              f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
+        m = allreduce.run(s.net, tensors, args.transport, algorithm=args.algorithm)
     for host, value, result, err in zip(m["hosts"], tensors, m["results"], m["per_host_error"]):
         if args.values is not None:
             print(f"  {host}: {value[0]:g} -> {result[0]:g}")

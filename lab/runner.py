@@ -23,24 +23,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from controllers import protocol
 from lab import experiments as experiments_pkg
 from lab import results
 from lab.core.errors import LabError, UsageError
-from lab.core.state import RunLock
 from lab.experiments.base import RunContext
 from lab.fabric import calibrate
 from lab.fabric.capture import FILTERS, CapturePlan, Captures
 from lab.fabric.capture import resolve as capture_resolve
-from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry, render
 from lab.kernel.queues import QueueParams
+from lab.session import Session
 from traffic.samples import WIRESHARK_LUA
 from topologies.params import ParamError, parse_value
 from topologies.registry import TOPOLOGIES, make_params
 
 RESULTS_DIR = Path("results")
-TELEMETRY_INTERVAL_MS = 5.0
 LIVE_EVERY_S = 1.0
 NOT_EXPERIMENTS = ("base", "common")    # lab/experiments/ modules that are not one
 # what is worth seeing in a capture: CNPs, CE-marked packets, pause frames
@@ -206,37 +203,36 @@ def run(name: str, settings: list[str], out: Path | None = None,
     }
     results.write_json_atomic(workdir / results.CONFIG_FILE, config)
     t0 = time.monotonic()
-    with RunLock(f"fabriclab run {name}"):
-        with FabricNetwork(topo, workdir, queue_params, progress=progress,
-                           controller_runtime=controller_runtime,
-                           machine_factor=factor, use_dataplane=use_dataplane) as net:
-            config.update(results.fabric_facts(net))
-            results.write_json_atomic(workdir / results.CONFIG_FILE, config)
-            progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
-            plan = CapturePlan(capture or [])
-            if plan.ports == ["auto"]:
-                plan = mod.capture_plan(net.fabric, params) if hasattr(mod, "capture_plan") \
-                    else CapturePlan([])
-                capture_mb /= max(1, len({i for spec in plan.ports
-                                          for i in capture_resolve(net.fabric, spec)}))
-            captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,
-                                capture_snaplen, plan.tcpdump_filter)
-            state = net.controller.workdir / protocol.STATE_FILE
-            with QueueTelemetry(net.fabric, workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
-                                controller_state=state) as telemetry, captures, \
-                    LiveView(telemetry, progress, enabled=live):
-                metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
-            if plan.ports:
-                metrics["captures"] = {
-                    "ports": captures.summary(),
-                    "keeps": plan.keeps, "snaplen": capture_snaplen or None,
-                    "filters": FILTERS,
-                    "open_with": f"wireshark -X lua_script:{WIRESHARK_LUA} FILE.pcap",
-                    "display_filter": CAPTURE_FILTER}
-            metrics["telemetry"] = results.telemetry_metrics(telemetry)
-            if telemetry.error:
-                progress(f"warning: queue telemetry stopped: {telemetry.error}")
-        timings = dict(net.timings)
+    with Session(topo, f"fabriclab run {name}", workdir, telemetry=True,
+                 queue_params=queue_params, progress=progress,
+                 controller_runtime=controller_runtime, machine_factor=factor,
+                 use_dataplane=use_dataplane) as session:
+        net, telemetry = session.net, session.telemetry
+        config.update(results.fabric_facts(net))
+        results.write_json_atomic(workdir / results.CONFIG_FILE, config)
+        progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
+        plan = CapturePlan(capture or [])
+        if plan.ports == ["auto"]:
+            plan = mod.capture_plan(net.fabric, params) if hasattr(mod, "capture_plan") \
+                else CapturePlan([])
+            capture_mb /= max(1, len({i for spec in plan.ports
+                                      for i in capture_resolve(net.fabric, spec)}))
+        captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,
+                            capture_snaplen, plan.tcpdump_filter)
+        with captures, LiveView(telemetry, progress, enabled=live):
+            metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
+        telemetry.stop()
+        if plan.ports:
+            metrics["captures"] = {
+                "ports": captures.summary(),
+                "keeps": plan.keeps, "snaplen": capture_snaplen or None,
+                "filters": FILTERS,
+                "open_with": f"wireshark -X lua_script:{WIRESHARK_LUA} FILE.pcap",
+                "display_filter": CAPTURE_FILTER}
+        metrics["telemetry"] = results.telemetry_metrics(telemetry)
+        if telemetry.error:
+            progress(f"warning: queue telemetry stopped: {telemetry.error}")
+    timings = dict(net.timings)
     claims = mod.claims(params, metrics)
     warnings = []
     if metrics.get("cpu_bound_hosts"):

@@ -28,7 +28,7 @@ import numpy as np
 from lab import results
 from lab.core.errors import LabError
 from lab.experiments.base import Claim
-from lab.fabric import allreduce as allreduce_mod
+from lab.fabric import collective
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.network import FabricNetwork
@@ -118,7 +118,7 @@ class Lab:
                            f"GPU hosts")
         if self.net is None:
             raise LabError("the lab is not running: use it inside `with Lab(...) as lab:`")
-        m = allreduce_mod.run(self.net, tensors, transport, algorithm=algorithm,
+        m = collective.run(self.net, tensors, transport, algorithm=algorithm,
                               first_collective_id=self._next_collective)
         self._next_collective += COLLECTIVE_IDS_PER_CALL
         self._note_cpu(m["cpu_bound_hosts"])

@@ -323,7 +323,7 @@ def _values(text: str) -> list[float]:
 def cmd_allreduce(args) -> int:
     import numpy as np
 
-    from lab.fabric import allreduce
+    from lab.fabric import collective
     from lab.session import Session
     if args.values is None and args.size_mb is None:
         raise UsageError("give --values V1,V2,... or --size-mb MB")
@@ -335,11 +335,11 @@ def cmd_allreduce(args) -> int:
         rng = np.random.default_rng(args.seed)
         elems = max(1, int(args.size_mb * 1e6 / 4))
         tensors = [rng.standard_normal(elems).astype(np.float32) for _ in range(args.gpus)]
-    topo = allreduce.fabric_for(len(tensors), args.algorithm)
+    topo = collective.fabric_for(len(tensors), args.algorithm)
     with Session(topo, "fabriclab allreduce") as s:
         print(f"all-reduce ({args.algorithm}, {args.transport}) of "
               f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
-        m = allreduce.run(s.net, tensors, args.transport, algorithm=args.algorithm)
+        m = collective.run(s.net, tensors, args.transport, algorithm=args.algorithm)
     for host, value, result, err in zip(m["hosts"], tensors, m["results"], m["per_host_error"]):
         if args.values is not None:
             print(f"  {host}: {value[0]:g} -> {result[0]:g}")

@@ -10,7 +10,7 @@ import numpy as np
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import model_time_s
-from lab.fabric import allreduce
+from lab.fabric import collective
 
 NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
@@ -37,13 +37,13 @@ class Params:
         self.numbers()
         if self.size_mb <= 0:
             raise UsageError(f"size_mb must be positive, got {self.size_mb}")
-        if self.algorithm not in allreduce.ALGORITHMS:
-            raise UsageError(f"algorithm must be one of {', '.join(allreduce.ALGORITHMS)}, "
+        if self.algorithm not in collective.ALGORITHMS:
+            raise UsageError(f"algorithm must be one of {', '.join(collective.ALGORITHMS)}, "
                              f"got {self.algorithm!r}")
         if self.algorithm == "hier" and self.topology != "rack":
             raise UsageError("algorithm=hier runs inside racks: it needs topology=rack")
-        if self.transport not in allreduce.TRANSPORTS:
-            raise UsageError(f"transport must be one of {', '.join(allreduce.TRANSPORTS)}, "
+        if self.transport not in collective.TRANSPORTS:
+            raise UsageError(f"transport must be one of {', '.join(collective.TRANSPORTS)}, "
                              f"got {self.transport!r}")
 
 
@@ -66,7 +66,7 @@ def run(ctx: RunContext) -> dict:
     tensors = tensors_for(p, n)
     ctx.progress(f"{p.algorithm} all-reduce of {tensors[0].nbytes:,} bytes per GPU over {n} "
                  f"GPU hosts ({p.transport})")
-    m = allreduce.run(ctx.net, tensors, p.transport, algorithm=p.algorithm)
+    m = collective.run(ctx.net, tensors, p.transport, algorithm=p.algorithm)
     if p.values:    # small enough to show: what each host gave and what it holds now
         for h, v in m["per_host"].items():
             ctx.progress(f"  {h}: {v['gave']:g} -> {v['holds']:g}")

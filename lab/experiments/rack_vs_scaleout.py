@@ -15,7 +15,7 @@ import numpy as np
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import model_time_s
-from lab.fabric import allreduce
+from lab.fabric import collective
 
 NAME = "rack-vs-scaleout"
 DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"
@@ -42,8 +42,8 @@ class Params:
             raise UsageError("rack-vs-scaleout needs topology=rack")
         if self.size_kb <= 0:
             raise UsageError("size_kb must be positive")
-        if self.transport not in allreduce.TRANSPORTS:
-            raise UsageError(f"transport must be one of {', '.join(allreduce.TRANSPORTS)}")
+        if self.transport not in collective.TRANSPORTS:
+            raise UsageError(f"transport must be one of {', '.join(collective.TRANSPORTS)}")
 
 
 def run(ctx: RunContext) -> dict:
@@ -59,7 +59,7 @@ def run(ctx: RunContext) -> dict:
     for algorithm in ("ring", "hier"):
         ctx.progress(f"{algorithm} all-reduce of {p.size_kb} KB per GPU over {n} GPUs "
                      f"in {racks} racks ({p.transport})")
-        m = allreduce.run(ctx.net, tensors, p.transport, algorithm=algorithm)
+        m = collective.run(ctx.net, tensors, p.transport, algorithm=algorithm)
         model = model_time_s(algorithm, n, m["size_bytes"], out_mbps, racks, up_mbps)
         out[algorithm] = {"time_s": round(m["time_s"], 4), "model_time_s": round(model, 4),
                           "over_model": round(m["time_s"] / model, 3),

@@ -4,7 +4,7 @@ One host writes `messages` x `message_kb` to another across the fabric (leaf,
 spine, leaf; 10 Mb/s links), first with the lab's RC emulation (traffic/rc.py,
 in the hosts' namespaces), then with the kernel's real RoCE, rxe, driven by
 perftest's ib_write_bw (the hosts' interfaces moved to the root namespace, where
-Debian 12's rxe works: lab/fabric/softroce.py). Each at every `loss_percents` rate:
+Debian 12's rxe works: lab/fabric/rxe.py). Each at every `loss_percents` rate:
 nftables drops that share of the RoCE frames arriving at the receiver, counting
 each drop (lab/kernel/impair.py), for both alike.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.fabric.gpus import GpuAgents
-from lab.fabric.softroce import (Capture, RxeHosts, counter_delta, hw_counters, ib_write_bw,
+from lab.fabric.rxe import (Capture, RxeHosts, counter_delta, hw_counters, ib_write_bw,
                           pcap_frames, qp_timeout_ms, require_soft_roce, roce_flow_stats)
 from lab.kernel.impair import RandomLoss
 from topologies.fabric import interface_name

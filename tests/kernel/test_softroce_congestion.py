@@ -3,7 +3,7 @@
 Two rxe senders (g1, g2) write to one rxe receiver (g0), all on leaf 0, every
 link 3 Mb/s: the leaf's port toward g0 gets twice what it can send, so that
 port's RoCE queue is the bottleneck. The rxe hosts' interfaces live in the root
-namespace (lab/fabric/softroce.py) but hang on the same leaf ports as ever, so their
+namespace (lab/fabric/rxe.py) but hang on the same leaf ports as ever, so their
 traffic enters the fabric there: at g1's and g2's leaf ports.
 
 - ECN (kernel RED on the RoCE class, ecn='red'): the writes carry traffic class
@@ -24,7 +24,7 @@ import pytest
 from kernel_lab import leaf_spine
 from topologies.fabric import interface_name
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
-from lab.fabric.softroce import (IB_WRITE_BW_PORT, TCLASS_ROCE_ECT0, Capture, RxeHosts, ib_write_bw,
+from lab.fabric.rxe import (IB_WRITE_BW_PORT, TCLASS_ROCE_ECT0, Capture, RxeHosts, ib_write_bw,
                           pcap_frames, pfc_frames, roce_flow_stats, without_lab_mac)
 from traffic import pause, roce
 from traffic.constants import PRIORITY_ROCE_DATA, Opcode

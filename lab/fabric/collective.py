@@ -1,5 +1,6 @@
-"""All-reduce over the emulated fabric, checked and measured: shared by
-`fabriclab allreduce` and the `allreduce` experiment."""
+"""A collective (all-reduce) on the fabric's GPU agents, checked against numpy and
+measured: shared by `fabriclab allreduce`, the API and the `allreduce` and
+`rack-vs-scaleout` experiments."""
 from __future__ import annotations
 
 import math

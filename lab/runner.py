@@ -26,6 +26,7 @@ from typing import Any, Callable
 from lab import experiments as experiments_pkg
 from lab import results
 from lab.core.errors import LabError, UsageError
+from lab.experiments import base as experiment
 from lab.experiments.base import RunContext
 from lab.fabric import calibrate
 from lab.fabric.capture import FILTERS, CapturePlan, Captures
@@ -78,7 +79,7 @@ def available() -> dict[str, Any]:
     for info in pkgutil.iter_modules(experiments_pkg.__path__):
         if info.name in NOT_EXPERIMENTS:
             continue
-        mod = importlib.import_module(f"lab.experiments.{info.name}")
+        mod = experiment.check(importlib.import_module(f"lab.experiments.{info.name}"))
         mods[mod.NAME] = mod
     return mods
 
@@ -136,7 +137,7 @@ def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
                              f"{', '.join(sorted(topo_fields))}; the queues take "
                              f"{', '.join(QUEUE_SETTINGS)}")
     # an experiment may suggest a fabric shape; what the user sets wins
-    suggested = getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(params.topology, {})
+    suggested = experiment.topology_defaults(mod, params.topology)
     if machine_factor < 1:
         topo_values = {**scaled_rates(params.topology, suggested, machine_factor), **topo_values}
     topo_values = {**suggested, **topo_values}
@@ -152,7 +153,7 @@ def scaled_sizes(mod, given: dict, factor: float) -> dict:
     defaults = {f.name: f.default for f in dataclasses.fields(mod.Params)}
     k = calibrate.size_factor(factor)
     return {name: type(defaults[name])(defaults[name] * k) or 1
-            for name in getattr(mod, "SCALED_SIZES", ()) if name not in given}
+            for name in experiment.scaled_sizes(mod) if name not in given}
 
 
 def scaled_rates(topology: str, suggested: dict, factor: float) -> dict:
@@ -213,8 +214,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
         plan = CapturePlan(capture or [])
         if plan.ports == ["auto"]:
-            plan = mod.capture_plan(net.fabric, params) if hasattr(mod, "capture_plan") \
-                else CapturePlan([])
+            plan = experiment.capture_plan(mod, net.fabric, params)
             capture_mb /= max(1, len({i for spec in plan.ports
                                       for i in capture_resolve(net.fabric, spec)}))
         captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,

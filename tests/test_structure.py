@@ -7,7 +7,10 @@ Read from the source's import statements, without importing anything."""
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [                          # lowest first
@@ -82,3 +85,17 @@ def test_the_check_sees_an_import_that_points_up(tmp_path):
     (kernel / "tcnl.py").write_text("from lab.fabric.network import FabricNetwork\n")
     edges = imports(modules(tmp_path))
     assert edges == {("lab.kernel", "lab.fabric"): "lab.kernel.tcnl imports lab.fabric.network"}
+
+
+def test_every_experiment_meets_the_contract_and_a_module_that_does_not_is_named():
+    from lab import runner
+    from lab.core.errors import LabError
+    from lab.experiments import base
+    assert len(runner.available()) >= 10      # each checked as it loads
+    half = types.ModuleType("lab.experiments.half")
+    half.NAME, half.DESCRIPTION = "half", "no claims, no Params"
+    half.run = lambda ctx: {}
+    with pytest.raises(LabError, match="half is not an experiment: it has no Params, claims"):
+        base.check(half)
+    assert base.capture_plan(half, None, None).ports == []
+    assert base.topology_defaults(half, "leaf-spine") == {} and base.scaled_sizes(half) == ()

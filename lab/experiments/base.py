@@ -12,12 +12,19 @@ lab/experiments/ with
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
+from lab.core.errors import LabError
+from lab.fabric.capture import CapturePlan
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
+from topologies.fabric import Fabric
+
+REQUIRED = ("NAME", "DESCRIPTION", "Params", "run", "claims")
 
 
 @dataclass
@@ -41,3 +48,32 @@ class RunContext:
     @property
     def fabric(self):
         return self.net.fabric
+
+
+def check(mod: ModuleType) -> ModuleType:
+    """The module, if it holds what an experiment must (above); else LabError naming
+    what it lacks."""
+    missing = [a for a in REQUIRED if not hasattr(mod, a)]
+    if not missing and not (dataclasses.is_dataclass(mod.Params) and "topology" in
+                            {f.name for f in dataclasses.fields(mod.Params)}):
+        missing = ["a Params dataclass with a `topology` field"]
+    if missing:
+        raise LabError(f"{mod.__name__} is not an experiment: it has no "
+                       f"{', '.join(missing)} (see lab/experiments/base.py)")
+    return mod
+
+
+def topology_defaults(mod: ModuleType, topology: str) -> dict:
+    """The fabric shape the experiment suggests on this topology ({}: none)."""
+    return getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(topology, {})
+
+
+def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:
+    """The Params fields that shrink with the link rates on a slow machine."""
+    return tuple(getattr(mod, "SCALED_SIZES", ()))
+
+
+def capture_plan(mod: ModuleType, fabric: Fabric, params) -> CapturePlan:
+    """What the experiment finds worth capturing (nothing, if it says nothing)."""
+    plan = getattr(mod, "capture_plan", None)
+    return plan(fabric, params) if plan else CapturePlan([])

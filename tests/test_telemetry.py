@@ -121,7 +121,7 @@ def test_collecting_the_data_paths_history_fills_periods_without_a_frame():
 def test_the_summary_from_the_rows_equals_the_one_from_samples():
     """Columns.summary (numpy over the rows) against QueueTelemetry's summary of
     QueueSample lists (the sampling mode's), on the same random looks and windows."""
-    from lab.telemetry import QueueTelemetry
+    from lab.fabric.telemetry import QueueTelemetry
     rng = np.random.default_rng(7)
     keys = ["s:1:3", "s:2:3", "s:3:0"]
     cols = Columns(keys)

@@ -16,7 +16,7 @@ from lab.core.errors import LabError
 from lab.fabric import ryu
 from topologies.fabric import Fabric
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ import pytest
 from scapy.utils import RawPcapReader
 
 from kernel_lab import leaf_spine
+from lab.fabric.rxe import roce_v2_gid_index
 from traffic import roce
 from traffic.constants import ROCE_V2_UDP_PORT, Opcode
 
@@ -86,24 +87,6 @@ def rxe_device(intf) -> str:
         yield name
     finally:
         sh("rdma", "link", "delete", name, check=False)
-
-
-def roce_v2_gid_index(device: str, ip: str, timeout_s: float = 10) -> int:
-    """The GID table index of the interface's IPv4 address as a RoCE v2 GID."""
-    a, b, c, d = map(int, ip.split("."))
-    want = f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"   # IPv4-mapped
-    port = Path(f"/sys/class/infiniband/{device}/ports/1")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for gid in sorted(port.glob("gids/*")):
-            try:
-                kind = (port / "gid_attrs/types" / gid.name).read_text().strip()
-                if gid.read_text().strip() == want and kind == "RoCE v2":
-                    return int(gid.name)
-            except OSError:
-                continue   # unused entries cannot be read
-        time.sleep(0.2)
-    raise AssertionError(f"{device} has no RoCE v2 GID for {ip}")
 
 
 @contextmanager

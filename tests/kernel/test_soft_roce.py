@@ -21,7 +21,7 @@ import pytest
 from scapy.utils import RawPcapReader
 
 from kernel_lab import leaf_spine
-from lab.fabric.rxe import roce_v2_gid_index
+from lab.fabric.rxe import roce_v2_gid_index, sh
 from traffic import roce
 from traffic.constants import ROCE_V2_UDP_PORT, Opcode
 
@@ -31,13 +31,6 @@ MESSAGE_BYTES = 16384
 ITERATIONS = 50
 MTU = 1024
 TABLE_BASE = 4791   # policy-routing tables 4791, 4792 (any unused numbers)
-
-
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(args, capture_output=True, text=True)
-    if check and r.returncode:
-        raise AssertionError(f"{' '.join(args)} failed: {r.stderr.strip()}")
-    return r
 
 
 @contextmanager

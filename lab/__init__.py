@@ -1,2 +1,4 @@
-"""fabriclab orchestration: capabilities, OVS and controller lifecycle, the
-Mininet network, kernel queues, cleanup, the experiment runner and the CLI."""
+"""fabriclab: the session (runner, results, report, tour, CLI, API) over its layers:
+lab.core (errors, paths, the run lock), lab.kernel (kernel plumbing), lab.fabric (the
+running fabric), lab.experiments and lab.vm. README, "Architecture", draws them;
+tests/test_structure.py keeps every import pointing down."""

@@ -119,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
         with Session(two_hosts(FAST_PATH_MBPS), "bench/compiled_ceiling.py",
-                     Path(tmp) / "net", progress=lambda m: None) as s:
+                     Path(tmp) / "net") as s:
             net = s.net
             g0, g1 = net.fabric.host("g0"), net.fabric.host("g1")
             gateway = net.fabric.subnet_of(g0.ip).gateway_mac

@@ -234,8 +234,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fl-bench-") as d:
         for datapath in ("sampling", "bpf"):
             tmp = Path(d) / datapath
-            with Session(topo, "bench/reaction.py", tmp / "run", use_dataplane=datapath == "bpf",
-                         progress=lambda m: None) as s, GpuAgents(s.net) as gpus:
+            with Session(topo, "bench/reaction.py", tmp / "run", use_dataplane=datapath == "bpf") as s, GpuAgents(s.net) as gpus:
                 net = s.net
                 out = []
                 for mode in ("ecn", "pfc"):

@@ -24,7 +24,7 @@ def main() -> None:
     for n in sizes:
         topo = build_topo("leaf-spine", **SHAPES[n])
         t0 = time.monotonic()
-        with Session(topo, "bench/scale.py", progress=lambda m: None) as s:
+        with Session(topo, "bench/scale.py") as s:
             net = s.net
             t_ready = time.monotonic() - t0
             pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}

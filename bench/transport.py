@@ -84,13 +84,12 @@ def main() -> None:
     ap.add_argument("--sweep", default="50,100,200,400")
     a = ap.parse_args()
     nbytes = int(a.rate_mbps * 1e6 / 8 * a.seconds)
-    with Session(two_hosts(a.rate_mbps), "bench/transport.py", progress=lambda m: None) as s:
+    with Session(two_hosts(a.rate_mbps), "bench/transport.py") as s:
         tcp = iperf3_tcp(s.net, "g0", "g1", a.seconds)
         rc = flow_goodput(s.net, "rc", nbytes)
         mrc = flow_goodput(s.net, "mrc", nbytes)
         bare = bare_send(s.net, BARE_FRAMES)
-    with Session(two_hosts(FAST_PATH_MBPS), "bench/transport.py",
-                 progress=lambda m: None) as s:
+    with Session(two_hosts(FAST_PATH_MBPS), "bench/transport.py") as s:
         fast = {"bare": bare_send(s.net, BARE_FRAMES),
                 "RC": flow_goodput(s.net, "rc", FAST_FLOW_BYTES),
                 "MRC": flow_goodput(s.net, "mrc", FAST_FLOW_BYTES)}
@@ -117,8 +116,10 @@ def main() -> None:
     print("\n3. link rate sweep: do the GPU hosts keep up? (MRC, one flow; "
           "= fabriclab calibrate)")
     with RunLock("bench/transport.py"):
-        c = calibrate.measure(tuple(float(x) for x in a.sweep.split(",")),
-                              progress=lambda m: print("   " + m.strip()))
+        c = calibrate.measure(tuple(float(x) for x in a.sweep.split(",")))
+    for r in c.sweep:
+        print(f"   {r['rate_mbps']:6g} Mb/s: goodput {r['goodput_mbps']:.1f} Mb/s, sender CPU "
+              f"{r['cpu_fraction']:.0%}: {'keeps up' if r['keeps_up'] else 'falls behind'}")
     print(f"\n   highest rate at which hosts keep up: "
           f"{f'{c.keep_up_mbps:g} Mb/s' if c.keep_up_mbps else 'none of those tried'}")
 

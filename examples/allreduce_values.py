@@ -12,13 +12,15 @@ import argparse
 import numpy as np
 
 from lab.api import Lab
+from lab.core import console
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="results/example-allreduce")
 out = ap.parse_args().out
+console.attach()     # the lab's progress lines, as the CLI prints them
 
 with Lab("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2, out=out,
-         name="example: all-reduce", progress=print) as lab:
+         name="example: all-reduce") as lab:
     r = lab.allreduce([0.7, 0.9, 0.6, 0.8])
     for host, v in r["per_host"].items():
         print(f"{host}: gave {v['gave']:g}, holds {v['holds']:g}")

@@ -11,13 +11,15 @@ import argparse
 import time
 
 from lab.api import Lab
+from lab.core import console
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="results/example-incast")
 out = ap.parse_args().out
+console.attach()     # the lab's progress lines, as the CLI prints them
 
 with Lab("leaf-spine", spines=1, leaves=1, hosts_per_leaf=5, host_rate_mbps=10,
-         fabric_rate_mbps=10, out=out, name="example: incast credits", progress=print) as lab:
+         fabric_rate_mbps=10, out=out, name="example: incast credits") as lab:
     drops = {}
     for transport in ("rc", "mrc"):
         since = time.time()

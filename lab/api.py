@@ -14,14 +14,16 @@ A Lab is one fabric (Mininet + OVS + the os-ken controller, queues on every port
 with queue telemetry running from start to end. Traffic methods start the GPU
 agents, run one collective on real RoCE v2 packets and return what it measured.
 `check` records a claim; the report shows the claims, what you `record`ed, and
-the same plots an experiment gets. Nothing outlives the `with` block.
+the same plots an experiment gets. Nothing outlives the `with` block. The lab says
+what it does through `logging` (logger "lab"): `lab.core.console.attach()` prints it
+as the CLI does (or configure logging your way).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +47,8 @@ COLLECTIVE_IDS_PER_CALL = 8
 
 class Lab:
     def __init__(self, topology: str = "leaf-spine", out: str | Path | None = None,
-                 queues: QueueParams | None = None, progress: Callable[[str], None] | None = None,
-                 name: str = "script", **topology_params):
+                 queues: QueueParams | None = None, name: str = "script",
+                 **topology_params):
         """topology: leaf-spine | rack | fat-tree, shaped by topology_params (e.g.
         spines=2, hosts_per_leaf=4, host_rate_mbps=100); out: where the results and the
         report go (default: a temporary directory, removed at the end)."""
@@ -56,7 +58,6 @@ class Lab:
             raise LabError(str(e)) from None
         self.name, self.topology = name, topology
         self.queues = queues or QueueParams()
-        self.progress = progress or (lambda msg: None)
         self.out = Path(out) if out else None
         self.workdir: Path | None = self.out
         self.claims: list[Claim] = []
@@ -65,7 +66,7 @@ class Lab:
         self.net: FabricNetwork | None = None
         self.telemetry: QueueTelemetry | None = None
         self._session = Session(self.topo, f"lab.api {name}", self.out, telemetry=True,
-                                queue_params=self.queues, progress=self.progress)
+                                queue_params=self.queues)
         self._next_collective = 1
         self._t0 = 0.0
 

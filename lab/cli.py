@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import sys
 from pathlib import Path
 
+from lab.core import console
 from lab.core.errors import LabError, Terminated, UsageError
 from topologies.params import ParamError
 from topologies.registry import TOPOLOGIES, make_params
 
+log = logging.getLogger(__name__)
 
 # Options whose value is a comma-separated list of numbers, any of which may be negative
 # (gradients are as often negative as positive). argparse takes a token that starts with
@@ -153,19 +156,13 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import time
-
     from lab import readable, report, runner
-    t0 = time.monotonic()
-
-    def progress(msg: str) -> None:   # elapsed time on every line of a long run
-        print(f"[{time.monotonic() - t0:6.1f} s] {msg}",
-              file=sys.stderr if args.json else sys.stdout, flush=True)
+    console.attach("stderr" if args.json else "stdout")   # stdout: the JSON alone
     if args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     if args.repeat > 1:
         out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
-                                     progress=progress, capture=args.capture,
+                                     capture=args.capture,
                                      capture_mb=args.capture_mb,
                                      controller_runtime=args.controller_runtime,
                                      use_dataplane=args.congestion_datapath == "bpf")
@@ -175,8 +172,7 @@ def cmd_run(args) -> int:
             print(runner.render_repeat(summary))
             print(f"results: {out}/repeat.json (each run in {out}/run-N/)")
         return 0 if summary["all_held"] else 1
-    workdir, result = runner.run(args.name, args.set or [], args.out, progress=progress,
-                                 capture=args.capture, live=args.live,
+    workdir, result = runner.run(args.name, args.set or [], args.out, capture=args.capture, live=args.live,
                                  capture_mb=args.capture_mb,
                                  controller_runtime=args.controller_runtime,
                                  use_dataplane=args.congestion_datapath == "bpf")
@@ -198,15 +194,12 @@ def cmd_tour(args) -> int:
     from lab import readable, tour
     from lab.fabric import calibrate
     t0 = time.monotonic()
-
-    def progress(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f} s] {msg}", flush=True)
     if calibrate.load() is None:   # once per machine: the defaults must fit its speed
         from lab.core.state import RunLock
-        progress("calibrating this machine first (once; `fabriclab calibrate` redoes it)")
-        with RunLock("fabriclab tour: calibrating"):
-            calibrate.save(calibrate.measure(progress=progress))
-    out, done = tour.run(args.out, args.only, progress)
+        log.info("calibrating this machine first (once; `fabriclab calibrate` redoes it)")
+        with RunLock("fabriclab tour: calibrating"), console.nested():
+            calibrate.save(calibrate.measure())
+    out, done = tour.run(args.out, args.only)
     failed = [r for r in done if r.error]
     claims = [c for r in done for c in r.claims]
     held = sum(c["passed"] for c in claims)
@@ -448,6 +441,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        console.attach()      # the lab's progress lines (logging), elapsed time first
         return args.func(args)
     except LabError as e:
         print(f"fabriclab: error: {e}", file=sys.stderr)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import pkgutil
 import platform
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lab import experiments as experiments_pkg
 from lab import results
@@ -38,6 +39,7 @@ from traffic.samples import WIRESHARK_LUA
 from topologies.params import ParamError, parse_value
 from topologies.registry import TOPOLOGIES, make_params
 
+log = logging.getLogger(__name__)
 RESULTS_DIR = Path("results")
 LIVE_EVERY_S = 1.0
 NOT_EXPERIMENTS = ("base", "common")    # lab/experiments/ modules that are not one
@@ -48,9 +50,8 @@ CAPTURE_FILTER = "infiniband.bth.opcode == 129 || ip.dsfield.ecn == 3 || macc"
 class LiveView:
     """Prints the hottest queues every LIVE_EVERY_S while an experiment runs."""
 
-    def __init__(self, telemetry: QueueTelemetry, progress: Callable[[str], None],
-                 enabled: bool):
-        self.telemetry, self.progress, self.enabled = telemetry, progress, enabled
+    def __init__(self, telemetry: QueueTelemetry, enabled: bool):
+        self.telemetry, self.enabled = telemetry, enabled
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
@@ -69,7 +70,7 @@ class LiveView:
         t0 = time.monotonic()
         while not self.stop.wait(LIVE_EVERY_S):
             hot = self.telemetry.hottest(4)
-            self.progress(f"[live {time.monotonic() - t0:5.1f} s]\n" + render(hot, previous))
+            log.info(f"[live {time.monotonic() - t0:5.1f} s]\n" + render(hot, previous))
             previous = self.telemetry.latest()
 
 
@@ -168,7 +169,7 @@ def scaled_rates(topology: str, suggested: dict, factor: float) -> dict:
 
 
 def run(name: str, settings: list[str], out: Path | None = None,
-        progress: Callable[[str], None] = print, capture: list[str] | None = None,
+        capture: list[str] | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
         capture_mb: float = 20.0, capture_snaplen: int = 0,
         use_dataplane: bool = True) -> tuple[Path, dict]:
@@ -181,7 +182,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
     factor = calibration.factor if calibration else 1.0
     params, topo_params, queue_params = split_settings(mod, settings, factor)
     if factor < 1:
-        progress(f"this machine's GPU hosts keep up with {calibration.keep_up_mbps:g} "
+        log.info(f"this machine's GPU hosts keep up with {calibration.keep_up_mbps:g} "
                  f"Mb/s (fabriclab calibrate): default link rates x{factor:.2f}, message "
                  f"sizes x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}, "
                  f"queue sampling / {factor:.2f}")
@@ -205,13 +206,13 @@ def run(name: str, settings: list[str], out: Path | None = None,
     results.write_json_atomic(workdir / results.CONFIG_FILE, config)
     t0 = time.monotonic()
     with Session(topo, f"fabriclab run {name}", workdir, telemetry=True,
-                 queue_params=queue_params, progress=progress,
+                 queue_params=queue_params,
                  controller_runtime=controller_runtime, machine_factor=factor,
                  use_dataplane=use_dataplane) as session:
         net, telemetry = session.net, session.telemetry
         config.update(results.fabric_facts(net))
         results.write_json_atomic(workdir / results.CONFIG_FILE, config)
-        progress(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
+        log.info(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
         plan = CapturePlan(capture or [])
         if plan.ports == ["auto"]:
             plan = experiment.capture_plan(mod, net.fabric, params)
@@ -219,8 +220,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
                                       for i in capture_resolve(net.fabric, spec)}))
         captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,
                             capture_snaplen, plan.tcpdump_filter)
-        with captures, LiveView(telemetry, progress, enabled=live):
-            metrics = mod.run(RunContext(net, params, workdir, progress, telemetry))
+        with captures, LiveView(telemetry, enabled=live):
+            metrics = mod.run(RunContext(net, params, workdir, telemetry))
         telemetry.stop()
         if plan.ports:
             metrics["captures"] = {
@@ -231,7 +232,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
                 "display_filter": CAPTURE_FILTER}
         metrics["telemetry"] = results.telemetry_metrics(telemetry)
         if telemetry.error:
-            progress(f"warning: queue telemetry stopped: {telemetry.error}")
+            log.warning(f"queue telemetry stopped: {telemetry.error}")
     timings = dict(net.timings)
     claims = mod.claims(params, metrics)
     warnings = []
@@ -243,16 +244,16 @@ def run(name: str, settings: list[str], out: Path | None = None,
         warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "
                         f"NICs could not keep up, so timings there are not faithful; lower "
                         f"the link rates (--set host_rate_mbps=...); {remedy}")
-        progress("warning: " + warnings[-1])
+        log.warning(warnings[-1])
     for w in metrics.get("starved", []):    # a mechanism the machine's load defeated
         warnings.append(w)
-        progress("warning: " + w)
+        log.warning(w)
     result = results.write(workdir, name, config, metrics, claims, warnings, timings, t0)
     return workdir, result
 
 
 def repeat(name: str, settings: list[str], n: int, out: Path | None = None,
-           progress: Callable[[str], None] = print, **run_args) -> tuple[Path, dict]:
+           **run_args) -> tuple[Path, dict]:
     """Run an experiment n times (OUT/run-1..n); each claim's pass rate, in repeat.json.
     A run that fails outright counts against every claim."""
     out = Path(out) if out else RESULTS_DIR / f"{name}-x{n}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -260,19 +261,19 @@ def repeat(name: str, settings: list[str], n: int, out: Path | None = None,
     held: dict[str, int] = {}
     runs = []
     for i in range(1, n + 1):
-        progress(f"run {i} of {n}")
+        log.info(f"run {i} of {n}")
         try:
-            _, result = run(name, settings, out / f"run-{i}", progress=progress, **run_args)
+            _, result = run(name, settings, out / f"run-{i}", **run_args)
         except LabError as e:
             runs.append({"run": i, "error": str(e)})
-            progress(f"run {i} failed: {e}")
+            log.info(f"run {i} failed: {e}")
             continue
         runs.append({"run": i, "passed": result["passed"],
                      "failed": [c["name"] for c in result["claims"] if not c["passed"]],
                      "warnings": result["warnings"]})
         for c in result["claims"]:
             held[c["name"]] = held.get(c["name"], 0) + bool(c["passed"])
-        progress(f"run {i}: {sum(c['passed'] for c in result['claims'])}/"
+        log.info(f"run {i}: {sum(c['passed'] for c in result['claims'])}/"
                  f"{len(result['claims'])} claims held")
     summary = {"experiment": name, "settings": settings, "runs": n,
                "claims": {c: {"held": k, "runs": n, "rate": round(k / n, 3)}

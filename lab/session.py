@@ -8,8 +8,8 @@ the benches:
 
 The run lock (one lab run at a time: lab/core/state.py) is taken first and released
 last; the directory is the one given, or a temporary one removed at the end; the
-fabric network gets every other keyword (queue_params, progress, verbose,
-controller_runtime, machine_factor, use_dataplane). If anything fails on the way up,
+fabric network gets every other keyword (queue_params, verbose, controller_runtime,
+machine_factor, use_dataplane). If anything fails on the way up,
 what was built is taken down again."""
 from __future__ import annotations
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from lab import readable, runner
+from lab.core import console
 from lab.core.errors import LabError
 
+log = logging.getLogger(__name__)
 RESULTS_DIR = runner.RESULTS_DIR
 
 
@@ -101,29 +103,29 @@ def select(only: list[str] | None) -> tuple[Chapter, ...]:
     return tuple(chosen)
 
 
-def run(out: Path | None = None, only: list[str] | None = None,
-        progress: Callable[[str], None] = print) -> tuple[Path, list[ChapterResult]]:
+def run(out: Path | None = None,
+        only: list[str] | None = None) -> tuple[Path, list[ChapterResult]]:
     chapters = select(only)
     out = Path(out) if out else RESULTS_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     done: list[ChapterResult] = []
     for i, ch in enumerate(chapters, 1):
-        progress(f"chapter {i}/{len(chapters)}: {ch.title} ({ch.experiment})")
+        log.info(f"chapter {i}/{len(chapters)}: {ch.title} ({ch.experiment})")
         workdir = out / f"{i:02d}-{ch.experiment}"
         t0 = time.monotonic()
         try:
             mb = CAPTURE_MB.get(ch.experiment, 0.0)
-            _, result = runner.run(ch.experiment, list(ch.settings), workdir,
-                                   progress=lambda m: progress("  " + m),
-                                   capture=["auto"] if mb else None, capture_mb=mb,
-                                   capture_snaplen=CAPTURE_SNAPLEN)
+            with console.nested():
+                _, result = runner.run(ch.experiment, list(ch.settings), workdir,
+                                       capture=["auto"] if mb else None, capture_mb=mb,
+                                       capture_snaplen=CAPTURE_SNAPLEN)
             done.append(ChapterResult(ch, workdir, time.monotonic() - t0, result))
         except LabError as e:     # the user sees it, and the rest of the story still runs
             done.append(ChapterResult(ch, workdir, time.monotonic() - t0, error=str(e)))
-            progress(f"  chapter {i} could not run: {e}")
+            log.info(f"  chapter {i} could not run: {e}")
         r = done[-1]
         held = sum(c["passed"] for c in r.claims)
-        progress(f"  {held}/{len(r.claims)} claims hold ({r.seconds:.0f} s)")
+        log.info(f"  {held}/{len(r.claims)} claims hold ({r.seconds:.0f} s)")
         write_index(out, done)     # after every chapter: a stopped tour keeps what it has
     return out, done
 

@@ -128,7 +128,7 @@ def test_gpu_host_honours_real_pfc_frames(tmp_path):
     from traffic.packets import pfc_pause
 
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         g0 = net.fabric.host("g0")
         leaf_port = interface_name(g0.interface().switch, g0.interface().port)
         rx = Path(f"/sys/class/net/{leaf_port}/statistics/rx_packets")
@@ -174,7 +174,7 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
 
     pcap = tmp_path / "uplink.pcap"
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path / "run", progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path / "run") as net:
         cap = subprocess.Popen(["tcpdump", "-i", "fl-lf0-eth1", "-w", str(pcap), "-U",
                                 "udp port 4791"], stderr=subprocess.DEVNULL)
         time.sleep(0.5)
@@ -206,7 +206,7 @@ def test_incast_and_alltoall_deliver_every_byte(tmp_path, transport):
     from topologies.registry import build_topo
 
     topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         with GpuAgents(net) as gpus:
             incast = gpus.incast("g0", 200_000, transport)
             a2a = gpus.alltoall(50_000, transport)

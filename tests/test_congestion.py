@@ -101,7 +101,7 @@ def test_a_decision_line_is_the_json_the_event_log_holds(queue, sent):
 
 def test_dscp_picks_the_class_on_every_switch_port(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         nl = tcnl.Netlink()
         g1 = net.fabric.host("g1").interface()
         port = interface_name(g1.switch, g1.port)
@@ -131,7 +131,7 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
     # 10 Mb/s links: a pause of 0xFFFF quanta lasts 3.4 s, longer than the test
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=10,
                       fabric_rate_mbps=10)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None,
+    with FabricNetwork(topo, tmp_path,
                        use_dataplane=use_dataplane) as net:
         assert (net.dataplane is not None) == use_dataplane
         set_congestion(net, CongestionParams(pfc=True, watchdog_ms=150))
@@ -202,7 +202,7 @@ def test_a_queue_flushed_unseen_is_written_off(tmp_path):
     'full' (dropping and pausing) once the link is back."""
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=10,
                       fabric_rate_mbps=10)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         set_congestion(net, CongestionParams(pfc=True))
         g1 = net.fabric.host("g1").interface()
         intf = interface_name(g1.switch, g1.port)
@@ -239,7 +239,7 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
     pause expired and its queue drained before the read)."""
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=4, host_rate_mbps=10,
                       fabric_rate_mbps=10)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         if net.datapath != "user":
             pytest.skip("the kernel datapath sends without a packet socket")
         assert net.ovs_send_buffer_bytes >= 4 << 20
@@ -337,7 +337,7 @@ def test_pfc_thresholds_per_priority(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=3, host_rate_mbps=10,
                       fabric_rate_mbps=10)
     q = queues.QueueParams(control_buffer_kb=48)
-    with FabricNetwork(topo, tmp_path, queue_params=q, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path, queue_params=q) as net:
         g0 = net.fabric.host("g0").interface()
         nl = tcnl.Netlink()
         drops = {}
@@ -364,7 +364,7 @@ def test_ecn_red_where_the_kernel_has_it_else_a_clear_refusal(tmp_path):
     from lab.fabric import doctor
     has_red = doctor.qdisc_available("red")
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         if has_red:
             assert set_congestion(net, CongestionParams(ecn="red")) == "red"
         else:
@@ -378,7 +378,7 @@ def test_ecn_red_where_the_kernel_has_it_else_a_clear_refusal(tmp_path):
 
 def test_telemetry_samples_every_few_ms(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         t0 = time.monotonic()
         with QueueTelemetry(net.fabric, tmp_path / "q.csv", interval_ms=5) as tel:
             _ping(net, "g0", "g1", DSCP_TOS[PRIORITY_ROCE_DATA], count=30)

@@ -47,7 +47,7 @@ def send_udp(sock, dst_ip: str, sports, per_port: int = 1, gap_s: float = 0.0001
 def test_ecmp_spreads_udp_source_ports_over_every_spine(tmp_path):
     spines = 4
     topo = build_topo("leaf-spine", spines=spines, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         src, dst = net.fabric.hosts[0], net.fabric.hosts[1]
         sock = socket_in_netns(net.host_pid(src.name), socket.SOCK_RAW, socket.IPPROTO_UDP)
         send_udp(sock, dst.ip, [49152], per_port=20)   # warm up ARP and the flow caches
@@ -89,7 +89,7 @@ def test_reachability_experiment_writes_results(tmp_path, machine_factor):
 
 def test_link_rates_are_real_kernel_queues(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=50)
-    with FabricNetwork(topo, tmp_path, progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path) as net:
         switch_side = subprocess.run("tc class show dev fl-lf0-eth2; tc qdisc show dev fl-lf0-eth2",
                                      shell=True, capture_output=True, text=True,
                                      check=True).stdout

@@ -44,11 +44,11 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, word, tmp_path):
 @requires_root
 def test_teardown_after_success_and_after_failure(tmp_path):
     topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path / "ok", progress=lambda m: None):
+    with FabricNetwork(topo, tmp_path / "ok"):
         assert cleanup.lab_bridges() and cleanup.lab_links() and cleanup.live_processes()
     assert not any(cleanup.leftovers().values())
     with pytest.raises(RuntimeError):
-        with FabricNetwork(topo, tmp_path / "fail", progress=lambda m: None):
+        with FabricNetwork(topo, tmp_path / "fail"):
             raise RuntimeError("an experiment failed")
     assert not any(cleanup.leftovers().values())
 

@@ -27,7 +27,7 @@ def test_the_readme_lines_on_a_running_fabric(tmp_path, capfd, caplog):
         "capture g0 3",
         "queues g0",
     ]) + "\n")
-    with FabricNetwork(topo, tmp_path / "run", progress=lambda m: None) as net:
+    with FabricNetwork(topo, tmp_path / "run") as net:
         setLogLevel("output")                   # what the shell prints, as `up` sets it
         with open(os.devnull) as stdin:
             FabricCLI(net.mininet, net.fabric, stdin=stdin, script=str(script))

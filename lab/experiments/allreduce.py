@@ -3,6 +3,7 @@
 where every host ends up holding 0.75)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import model_time_s
 from lab.fabric import collective
 
+log = logging.getLogger(__name__)
 NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
 
@@ -64,19 +66,19 @@ def run(ctx: RunContext) -> dict:
     p = ctx.params
     n = len(ctx.fabric.hosts)
     tensors = tensors_for(p, n)
-    ctx.progress(f"{p.algorithm} all-reduce of {tensors[0].nbytes:,} bytes per GPU over {n} "
+    log.info(f"{p.algorithm} all-reduce of {tensors[0].nbytes:,} bytes per GPU over {n} "
                  f"GPU hosts ({p.transport})")
     m = collective.run(ctx.net, tensors, p.transport, algorithm=p.algorithm)
     if p.values:    # small enough to show: what each host gave and what it holds now
         for h, v in m["per_host"].items():
-            ctx.progress(f"  {h}: {v['gave']:g} -> {v['holds']:g}")
+            log.info(f"  {h}: {v['gave']:g} -> {v['holds']:g}")
     racks = len({h.rack for h in ctx.fabric.hosts}) if p.algorithm == "hier" else 1
     up = ctx.fabric.hosts[0].interface("scale-up").rate_mbps if p.algorithm == "hier" else 0.0
     m["model_time_s"] = model_time_s(p.algorithm, n, m["size_bytes"], m["link_rate_mbps"],
                                      racks, up)
     for key in ("results", "expected"):
         m.pop(key)
-    ctx.progress(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
+    log.info(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
                  f"({m['busbw_over_link']:.0%} of the {m['link_rate_mbps']:.0f} Mb/s link)")
     return m
 

@@ -6,7 +6,8 @@ lab/experiments/ with
                            link rates on a machine too slow for the defaults
                            (lab/fabric/calibrate.py)
     Params                 a dataclass (its `topology` field picks the fabric)
-    run(ctx) -> dict       drives the fabric (ctx: a RunContext), returns measurements
+    run(ctx) -> dict       drives the fabric (ctx: a RunContext), returns measurements;
+                           says what it does through logging.getLogger(__name__)
     claims(params, metrics) -> list[Claim]   physical claims checked from them
     capture_plan(fabric, params)   optional: what to capture (lab/fabric/capture.py)
 """
@@ -16,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from lab.core.errors import LabError
 from lab.fabric.capture import CapturePlan
@@ -42,7 +43,6 @@ class RunContext:
     net: FabricNetwork
     params: Any
     workdir: Path
-    progress: Callable[[str], None]
     telemetry: QueueTelemetry
 
     @property

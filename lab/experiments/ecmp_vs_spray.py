@@ -7,6 +7,7 @@ spine. Measured from the source leaf's uplink byte counters.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
 
+log = logging.getLogger(__name__)
 NAME = "ecmp-vs-spray"
 DESCRIPTION = "long flows leaf to leaf: bytes per spine uplink, RC (ECMP-pinned) vs MRC (sprayed)"
 # 10 Mb/s links stand for 100 Gb/s: eight flows at 100 Mb/s left this 2-core machine's
@@ -95,10 +97,10 @@ def run(ctx: RunContext) -> dict:
                 ("mrc_explicit", "mrc", {"evs": evs})]   # one EV per spine, mapped
     with GpuAgents(ctx.net) as gpus:
         for name, transport, params in variants:
-            ctx.progress(f"{len(plan)} flows of {plan[0][2] / 1e6:.1f} MB from fl-lf0 to fl-lf1 "
+            log.info(f"{len(plan)} flows of {plan[0][2] / 1e6:.1f} MB from fl-lf0 to fl-lf1 "
                          f"over {name}")
             m = measure(ctx, gpus, transport, plan, params)
-            ctx.progress(f"  bytes per spine uplink: {m['bytes_per_spine_uplink']} "
+            log.info(f"  bytes per spine uplink: {m['bytes_per_spine_uplink']} "
                          f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
                          f"{m['completion_s_max']:.2f} s")
             out[name] = m

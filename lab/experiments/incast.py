@@ -16,6 +16,7 @@ counters and the senders' transports.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 
+log = logging.getLogger(__name__)
 NAME = "incast"
 DESCRIPTION = "N hosts send to one at full rate: drops, then ECN (DCQCN), PFC, ECN+PFC"
 # 8 senders and a receiver on one leaf; 10 Mb/s links stand for 100 Gb/s
@@ -187,13 +189,13 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     scale = rc["rate_scale"]
     limited = variant == "none"
     lost0 = ovs.datapath_lost_packets()
-    ctx.progress(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
+    log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
                            params=rc, allow_timeout=limited,
                            timeout_s=p.none_time_limit_s if limited else 120)
     t1 = time.time()
-    ctx.progress(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
+    log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)
     after = controller_counts(net, recv_if.switch, recv_if.port)
     lost = ovs.datapath_lost_packets() - lost0
@@ -280,12 +282,12 @@ def run(ctx: RunContext) -> dict:
                             if h["measured_delivery_ms_max"] is not None else "",
                             f"to a gate p99.9 {h['measured_gate_ms_p999']} ms"
                             if h["measured_gate_ms_p999"] is not None else ""]
-                ctx.progress(f"  PFC headroom: {h['feeding_ports']} feeding ports at "
+                log.info(f"  PFC headroom: {h['feeding_ports']} feeding ports at "
                              f"{h['response_ms']} ms response = {h['needed_bytes'] / 1024:.1f} KB"
                              f" needed, {h['kept_bytes'] / 1024:.1f} KB kept of the "
                              f"{h['buffer_bytes'] / 1024:.0f} KB buffer (measured: "
                              f"{', '.join(x for x in measured if x) or 'no pause'})")
-            ctx.progress(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
+            log.info(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
                          f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
                          f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"
                          f"{m['backlog_bytes_p99'] / 1024:.1f} KB, "

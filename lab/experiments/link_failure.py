@@ -18,6 +18,7 @@ before the next variant.
 """
 from __future__ import annotations
 
+import logging
 import subprocess
 import threading
 import time
@@ -32,6 +33,7 @@ from topologies.fabric import interface_name
 from lab.experiments.base import Claim, RunContext
 from lab.fabric import events
 
+log = logging.getLogger(__name__)
 NAME = "link-failure"
 DESCRIPTION = "a spine uplink goes down mid all-reduce: RC stalls until rerouted, MRC retires the EV"
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 2,
@@ -164,7 +166,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
     failed = links[max(range(len(links)), key=load.__getitem__)]
     t_fail = time.time()
     set_link(failed, up=False)
-    ctx.progress(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
+    log.info(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
                  f"{WINDOW_S:.1f} s: {load})")
     flow.join(timeout=180)
     rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
@@ -203,10 +205,10 @@ def run(ctx: RunContext) -> dict:
     out: dict = {"workload": p.workload, "hosts": hosts}
     with GpuAgents(ctx.net, hosts=hosts) as gpus:
         for transport in ("rc", "mrc"):
-            ctx.progress(f"{transport}: {what}; an uplink of {leaf} fails after "
+            log.info(f"{transport}: {what}; an uplink of {leaf} fails after "
                          f"{p.fail_after_s} s, rerouted after {p.reroute_delay_ms:.0f} ms")
             m = out[transport] = run_variant(ctx, gpus, transport, leaf)
-            ctx.progress(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
+            log.info(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
                          f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out

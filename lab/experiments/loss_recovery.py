@@ -5,6 +5,7 @@ nftables drops a random share of the RoCE frames arriving at the receiver
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import RandomLoss
 
+log = logging.getLogger(__name__)
 NAME = "loss-recovery"
 DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-back-N vs MRC"
 # 20 Mb/s links stand for 100 Gb/s: at 100 Mb/s the sender was CPU-bound on 2 cores
@@ -68,7 +70,7 @@ def run(ctx: RunContext) -> dict:
                  "completion_s": flow["completion_s"],
                  "goodput_mbps": nbytes * 8 / flow["completion_s"] / 1e6,
                  "intact": flow["intact"]}
-            ctx.progress(f"{transport}: {lost} lost, {retx} retransmitted ({dups} arrived as "
+            log.info(f"{transport}: {lost} lost, {retx} retransmitted ({dups} arrived as "
                          f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()

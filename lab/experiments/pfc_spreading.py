@@ -14,6 +14,7 @@ The victim's sending rate while the incast runs is compared with its rate alone.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from traffic.constants import PRIORITY_ROCE_DATA
 
+log = logging.getLogger(__name__)
 NAME = "pfc-spreading"
 DESCRIPTION = "a victim flow beside an incast: head-of-line blocked under PFC, not under ECN"
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 2, "hosts_per_leaf": 4,
@@ -150,11 +152,11 @@ def run(ctx: RunContext) -> dict:
     hosts = [*r["senders"], r["victim"], r["receiver"], r["victim_dst"]]
     with GpuAgents(ctx.net, hosts=hosts) as gpus:
         for variant in VARIANTS:
-            ctx.progress(f"{variant}: victim {r['victim']} -> {r['victim_dst']}"
+            log.info(f"{variant}: victim {r['victim']} -> {r['victim_dst']}"
                          + ("" if variant == "alone" else
                             f" beside {len(r['senders'])} senders -> {r['receiver']}"))
             m = out[variant] = run_variant(ctx, gpus, variant, r)
-            ctx.progress(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
+            log.info(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
                          f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     out["starved"] = starved("pfc", out["pfc"]["drops_packets"])

@@ -8,6 +8,7 @@ term of the alpha-beta model (2(n-1)/n S/B per level), and so is their ratio.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import model_time_s
 from lab.fabric import collective
 
+log = logging.getLogger(__name__)
 NAME = "rack-vs-scaleout"
 DESCRIPTION = "ring over scale-out vs hierarchical over scale-up + scale-out: time vs the model"
 # 2 Mb/s scale-out NICs stand for 100 Gb/s (scale-up 18 Mb/s for NVLink's 900 GB/s):
@@ -57,7 +59,7 @@ def run(ctx: RunContext) -> dict:
     tensors = [rng.standard_normal(p.size_kb * 256).astype(np.float32) for _ in range(n)]
     out = {"gpus": n, "racks": racks, "scaleout_mbps": out_mbps, "scaleup_mbps": up_mbps}
     for algorithm in ("ring", "hier"):
-        ctx.progress(f"{algorithm} all-reduce of {p.size_kb} KB per GPU over {n} GPUs "
+        log.info(f"{algorithm} all-reduce of {p.size_kb} KB per GPU over {n} GPUs "
                      f"in {racks} racks ({p.transport})")
         m = collective.run(ctx.net, tensors, p.transport, algorithm=algorithm)
         model = model_time_s(algorithm, n, m["size_bytes"], out_mbps, racks, up_mbps)
@@ -67,7 +69,7 @@ def run(ctx: RunContext) -> dict:
                           "retransmitted_packets": m["retransmitted_packets"],
                           **{f"{phase} s": t for phase, t in m["phase_s"].items()}}
         out.setdefault("cpu_bound_hosts", []).extend(m["cpu_bound_hosts"])
-        ctx.progress(f"  {m['time_s'] * 1e3:.0f} ms (model {model * 1e3:.0f} ms)")
+        log.info(f"  {m['time_s'] * 1e3:.0f} ms (model {model * 1e3:.0f} ms)")
     out["speedup"] = round(out["ring"]["time_s"] / out["hier"]["time_s"], 3)
     out["model_speedup"] = round(out["ring"]["model_time_s"] / out["hier"]["model_time_s"], 3)
     out["cpu_bound_hosts"] = sorted(set(out["cpu_bound_hosts"]))

@@ -1,12 +1,14 @@
 """Every GPU host reaches every other, by the shortest paths, with RTTs measured."""
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 
 from lab.experiments.base import Claim, RunContext
 from lab.fabric import verify
 
+log = logging.getLogger(__name__)
 NAME = "reachability"
 DESCRIPTION = "all-pairs ping over the fabric: reachability, RTT per pair, hop counts"
 
@@ -21,7 +23,7 @@ def run(ctx: RunContext) -> dict:
     pids = {h.name: ctx.net.host_pid(h.name) for h in ctx.fabric.hosts}
     report = verify.measure(ctx.fabric, pids, tries=ctx.params.tries)
     for line in report.lines():
-        ctx.progress(line)
+        log.info(line)
     rtts = sorted(r.rtt_ms for r in report.results if r.rtt_ms is not None)
     return {
         "pairs_total": len(report.pairs),

@@ -25,6 +25,7 @@ Needs rdma_rxe: the lab VM or the Vagrant VM.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from lab.fabric.rxe import (Capture, RxeHosts, counter_delta, hw_counters, ib_wr
 from lab.kernel.impair import RandomLoss
 from topologies.fabric import interface_name
 
+log = logging.getLogger(__name__)
 NAME = "softroce"
 DESCRIPTION = ("the same transfer by real RoCE (rxe) and by the lab's RC, clean and under "
                "loss: goodput and retransmissions side by side")
@@ -182,13 +184,13 @@ def run(ctx: RunContext) -> dict:
                        timeout_s=p.transfer_timeout_s)
         for loss in p.loss_list:
             m = out["lab_rc"][key(loss)] = lab_rc_run(ctx, gpus, src, dst, loss)
-            ctx.progress(f"lab RC, {loss:g}% loss: {m['lost_packets']} lost, "
+            log.info(f"lab RC, {loss:g}% loss: {m['lost_packets']} lost, "
                          f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     with RxeHosts(ctx.net, [src.name, dst.name]) as rxe:
         for loss in p.loss_list:
             m = out["rxe"][key(loss)] = rxe_run(ctx, rxe, src, dst, loss)
-            ctx.progress(f"rxe,    {loss:g}% loss: {m['lost_packets']} lost, "
+            log.info(f"rxe,    {loss:g}% loss: {m['lost_packets']} lost, "
                          f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
     out["side_by_side"] = side_by_side(out["lab_rc"], out["rxe"])
     return out

@@ -22,6 +22,7 @@ the all-reduce over the step time. Variants, one after another:
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -35,6 +36,7 @@ from lab.experiments.common import rc_params
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
 
+log = logging.getLogger(__name__)
 NAME = "training-step"
 DESCRIPTION = "compute + all-reduce steps: GPU idle fraction clean, under incast, with ECN, colliding, sprayed"
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 2, "leaves": 2, "hosts_per_leaf": 4,
@@ -138,7 +140,7 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
                       "idle_fraction": round(comm_s / step_s, 4), "correct": ok,
                       "retransmitted": sum(c.get("retransmitted", 0) for per in res.counters
                                            for c in per.values())})
-        ctx.progress(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
+        log.info(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
                      f"{comm_s / step_s:.0%}")
     return {"steps": steps,
             "step_s_mean": round(statistics.mean(x["step_s"] for x in steps), 4),
@@ -163,7 +165,7 @@ def run(ctx: RunContext) -> dict:
     cpu_bound: set[str] = set()
     for i, variant in enumerate(p.variant_list):
         ring = crossing if variant in ("collision", "spray") else in_order
-        ctx.progress(f"{variant}: {p.steps} steps of {p.compute_ms:.0f} ms compute + "
+        log.info(f"{variant}: {p.steps} steps of {p.compute_ms:.0f} ms compute + "
                      f"all-reduce of {p.grad_kb} KB over the ring {' -> '.join(ring)}")
         set_congestion(ctx.net, CongestionParams(ecn=p.ecn if "ecn" in variant else "off"))
         transport = "mrc" if variant == "spray" else "rc"
@@ -180,7 +182,7 @@ def run(ctx: RunContext) -> dict:
                 m = train(ctx, gpus, transport, rng, params)
             cpu_bound.update(gpus.cpu_bound())
         out[variant] = m
-        ctx.progress(f"  mean step {m['step_s_mean'] * 1e3:.0f} ms, all-reduce "
+        log.info(f"  mean step {m['step_s_mean'] * 1e3:.0f} ms, all-reduce "
                      f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
                      f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)

@@ -17,16 +17,18 @@ what the user sets.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from lab.core import paths
 from traffic.constants import DEFAULT_MTU_BYTES, MRC_MAX_PACKETS_PER_MESSAGE
+
+log = logging.getLogger(__name__)
 
 # (the fabric and the agents are imported where a measurement needs them: `doctor` reads
 # a calibration on machines where Mininet is still missing)
@@ -86,22 +88,20 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
             and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
 
 
-def measure(rates: tuple[float, ...] = SWEEP_MBPS,
-            progress: Callable[[str], None] = print) -> Calibration:
+def measure(rates: tuple[float, ...] = SWEEP_MBPS) -> Calibration:
     """Rate after rate until a host falls behind."""
     from lab.fabric.network import FabricNetwork
     sweep, best = [], 0.0
     with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
         for rate in rates:
-            with FabricNetwork(two_hosts(rate), Path(tmp) / f"r{rate:g}",
-                               progress=lambda m: None) as net:
+            with FabricNetwork(two_hosts(rate), Path(tmp) / f"r{rate:g}") as net:
                 # one MRC message, so no more packets than its header can count
                 r = flow(net, "mrc", min(int(rate * 1e6 / 8 * FLOW_SECONDS),
                                          MRC_MAX_PACKETS_PER_MESSAGE * DEFAULT_MTU_BYTES))
             ok = keeps_up(rate, r)
             sweep.append({"rate_mbps": rate, **{k: round(v, 3) if isinstance(v, float) else v
                                                 for k, v in r.items()}, "keeps_up": ok})
-            progress(f"  {rate:6g} Mb/s: goodput {r['goodput_mbps']:.1f} Mb/s, sender CPU "
+            log.info(f"{rate:6g} Mb/s: goodput {r['goodput_mbps']:.1f} Mb/s, sender CPU "
                      f"{r['cpu_fraction']:.0%}: {'keeps up' if ok else 'falls behind'}")
             if not ok:
                 break

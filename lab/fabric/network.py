@@ -10,6 +10,7 @@ Mininet left behind.
 from __future__ import annotations
 
 import codecs
+import logging
 import signal
 import time
 from functools import partial
@@ -27,6 +28,8 @@ from lab.fabric import cleanup
 from lab.fabric.controller import Controller
 from lab.kernel import dataplane, ovs, queues
 from topologies.base import FabricTopo
+
+log = logging.getLogger(__name__)
 
 # OVS's send socket (userspace datapath) gets this many times what the switch ports'
 # queues hold together: a queued frame is charged its truesize (a 1 KB frame ~2.3 KB)
@@ -59,14 +62,13 @@ class FabricIntf(Intf):
 
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
-                 progress=print, verbose: bool = False, controller_runtime: str = "os-ken",
+                 verbose: bool = False, controller_runtime: str = "os-ken",
                  machine_factor: float = 1.0, use_dataplane: bool = True):
         self.topo = topo
         self.machine_factor = machine_factor   # lab/fabric/calibrate.py: < 1 on a slower machine
         self.fabric = topo.fabric
         self.workdir = Path(workdir)
         self.queue_params = queue_params or queues.QueueParams()
-        self.progress = progress
         self.verbose = verbose
         self.controller_runtime = controller_runtime
         self.mininet: Mininet | None = None
@@ -97,14 +99,14 @@ class FabricNetwork:
         stale = cleanup.leftovers()
         if any(stale.values()):
             found = cleanup.clean()
-            self.progress(f"removed leftovers of an earlier run: {_count(found)}")
+            log.info(f"removed leftovers of an earlier run: {_count(found)}")
         self.datapath = ovs.ensure_running()
         setLogLevel("info" if self.verbose else "warning")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.controller = Controller(self.fabric, self.workdir, self.controller_runtime)
         self.controller.start()
-        self.progress(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
-                      f"{self.controller_runtime} controller)")
+        log.info(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
+                 f"{self.controller_runtime} controller)")
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
                          protocols="OpenFlow15", failMode="secure")
         controller = partial(RemoteController, ip="127.0.0.1", port=self.controller.port)
@@ -122,8 +124,8 @@ class FabricNetwork:
         if self.dataplane_missing is None:
             self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params)
         elif self.use_dataplane:
-            self.progress(f"note: no per-packet BPF data path here ({self.dataplane_missing}): "
-                          f"ECN and PFC fall back to the controller's queue sampling")
+            log.warning(f"no per-packet BPF data path here ({self.dataplane_missing}): "
+                        f"ECN and PFC fall back to the controller's queue sampling")
         # generous: under a software CPU (the lab VM) a switch may take half a minute
         self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
         self.controller.enable_rerouting()
@@ -147,9 +149,9 @@ class FabricNetwork:
         got = ovs.lift_send_buffer(need)
         self.ovs_send_buffer_bytes = got
         if got is None or got < need:
-            self.progress(f"warning: OVS's send buffer could not be raised to "
-                          f"{need >> 20} MB (it has {got or 0} bytes): frames queued on "
-                          f"all switch ports together beyond it are dropped inside OVS")
+            log.warning(f"OVS's send buffer could not be raised to "
+                        f"{need >> 20} MB (it has {got or 0} bytes): frames queued on "
+                        f"all switch ports together beyond it are dropped inside OVS")
 
     def stop(self) -> None:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a 2nd Ctrl-C must not cut teardown short
@@ -159,7 +161,7 @@ class FabricNetwork:
                 try:
                     self.mininet.stop()
                 except Exception as e:   # the sweep below still removes what it left
-                    self.progress(f"warning: Mininet stop failed ({e}); sweeping")
+                    log.warning(f"Mininet stop failed ({e}); sweeping")
                 self.mininet = None
             if self.controller is not None:
                 self.controller.stop()

@@ -7,12 +7,15 @@ the lab's own virtualenv stays on os-ken.
 """
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 from lab.core.errors import LabError
 from lab.core.paths import RYU_VENV
+
+log = logging.getLogger(__name__)
 
 BOOTSTRAP = ["pbr", "wheel", "setuptools"]
 PINS = ["ryu==4.34", "eventlet==0.33.3", "dnspython>=2"]
@@ -28,11 +31,11 @@ def installed() -> bool:
         capture_output=True).returncode == 0
 
 
-def ensure(progress=print) -> Path:
+def ensure() -> Path:
     """The Ryu interpreter, installing it (~10-60 s, needs PyPI) the first time."""
     if installed():
         return python()
-    progress(f"installing Ryu 4.34 into {RYU_VENV} (once)")
+    log.info(f"installing Ryu 4.34 into {RYU_VENV} (once)")
     steps = [[sys.executable, "-m", "venv", "--clear", str(RYU_VENV)],
              [str(python()), "-m", "pip", "install", "-q", *BOOTSTRAP],
              [str(python()), "-m", "pip", "install", "-q", "--no-build-isolation", *PINS]]

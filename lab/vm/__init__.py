@@ -13,12 +13,15 @@ the guest's scripts are vm/initrd-init and vm/guest-init.
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import subprocess
-import sys
 import time
 
+from lab.core import console
 from lab.core.errors import LabError, UsageError
+
+log = logging.getLogger(__name__)
 
 # What tests/kernel needs from a kernel: feature -> what it gives.
 KERNEL_FEATURES = {
@@ -77,14 +80,11 @@ def _options(args):
                      timeout_s=(timeout or 30) * 60)
 
 
-def _note(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _image(rebuild: bool = False):
     from lab.vm import image
+    console.attach("stderr")    # the lab's own lines; stdout carries the guest's output
     t0 = time.monotonic()
-    img = image.ensure(rebuild=rebuild, echo=_note)
+    img = image.ensure(rebuild=rebuild)
     return img, time.monotonic() - t0
 
 
@@ -101,10 +101,10 @@ def cmd_build(args) -> int:
 
 def _run(command: str, args, image_s: float, img) -> int:
     from lab.vm import machine
-    result = machine.run(img, command, _options(args), note=_note)
+    result = machine.run(img, command, _options(args))
     boot = f"{result.boot_s:.1f} s" if result.boot_s is not None else "?"
-    _note(f"[vm] exit code {result.exit_code}; VM ran {result.total_s:.0f} s ({result.accel}, "
-          f"init started at {boot} of guest uptime); image {image_s:.0f} s")
+    log.info(f"[vm] exit code {result.exit_code}; VM ran {result.total_s:.0f} s ({result.accel}, "
+             f"init started at {boot} of guest uptime); image {image_s:.0f} s")
     return result.exit_code
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import lzma
 import os
 import re
@@ -29,6 +30,8 @@ from pathlib import Path
 from lab.core.errors import LabError
 from lab.core.paths import VM_CACHE_DIR
 from lab.vm import cpio
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = VM_CACHE_DIR
@@ -162,13 +165,13 @@ def _prune(keep: Path) -> None:
 
 # --- progress ---------------------------------------------------------------------------
 class Progress:
-    """One line per phase with the elapsed time; the details go to build.log."""
+    """One line per phase with the elapsed time (logged, and in build.log with the
+    details)."""
 
-    def __init__(self, log_path: Path, echo=print):
+    def __init__(self, log_path: Path):
         self.t0 = time.monotonic()
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.echo = echo
         self.phase_t0 = self.t0
 
     def phase(self, text: str) -> None:
@@ -177,7 +180,7 @@ class Progress:
 
     def say(self, text: str) -> None:
         line = f"[vm build {time.monotonic() - self.t0:6.1f} s] {text}"
-        self.echo(line)
+        log.info(line)
         self.log.write(line + "\n")
         self.log.flush()
 
@@ -206,7 +209,7 @@ class Progress:
 
 
 # --- the build --------------------------------------------------------------------------
-def ensure_host_tools(echo=print) -> None:
+def ensure_host_tools() -> None:
     """Install the host tools the VM needs (qemu, debootstrap, ...) when missing."""
     missing = sorted({pkg for tool, pkg in HOST_TOOLS.items() if not shutil.which(tool)})
     if not missing:
@@ -214,7 +217,7 @@ def ensure_host_tools(echo=print) -> None:
     if os.geteuid() != 0:
         raise LabError(f"the lab VM needs {', '.join(missing)}: run as root (sudo) or "
                        f"'apt-get install {' '.join(missing)}'")
-    echo(f"[vm] installing host tools for the lab VM: {' '.join(missing)}")
+    log.info(f"[vm] installing host tools for the lab VM: {' '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     r = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
                        env=env, capture_output=True, text=True)
@@ -227,11 +230,11 @@ def ensure_host_tools(echo=print) -> None:
                        f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-def ensure(rebuild: bool = False, echo=print) -> Image:
+def ensure(rebuild: bool = False) -> Image:
     """The image for the current inputs: cached, or built now."""
     if os.geteuid() != 0:
         raise LabError("the lab VM needs root (debootstrap, chroot, qemu): run with sudo")
-    ensure_host_tools(echo)
+    ensure_host_tools()
     ins = inputs()
     img = cached(ins)
     if img.ready and not rebuild:
@@ -242,16 +245,16 @@ def ensure(rebuild: bool = False, echo=print) -> Image:
         fcntl.flock(lock, fcntl.LOCK_EX)   # a concurrent build of the same image waits
         if img.ready and not rebuild:
             return img
-        build(ins, img.dir, echo)
+        build(ins, img.dir)
     _prune(img.dir)
     return img
 
 
-def build(ins: ImageInputs, dest: Path, echo=print) -> None:
+def build(ins: ImageInputs, dest: Path) -> None:
     work = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    p = Progress(work / "build.log", echo)
+    p = Progress(work / "build.log")
     p.say(f"building the lab VM image {ins.key} ({ins.kernel_package} {ins.kernel_version}, "
           f"Debian {SUITE} minbase + vagrant/provision.sh); log: {dest}/build.log")
     root = work / "rootfs"
@@ -271,7 +274,7 @@ def build(ins: ImageInputs, dest: Path, echo=print) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     work.rename(dest)
     (dest / "READY").write_text(f"built in {total:.0f} s\n")
-    echo(f"[vm build {total:6.1f} s] image ready: {dest}")
+    log.info(f"[vm build {total:6.1f} s] image ready: {dest}")
 
 
 def _download(ins: ImageInputs, work: Path, p: Progress) -> dict[str, Path]:

@@ -9,6 +9,7 @@ what is written to the shared tree.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import shutil
@@ -23,6 +24,8 @@ from lab.core import paths
 from lab.core.errors import LabError
 from lab.vm import image
 from lab.vm.image import Image
+
+log = logging.getLogger(__name__)
 
 KERNEL_ARGS = ("console=ttyS0 root=/dev/vda rw panic=-1 quiet loglevel=3 "
                "mitigations=off")   # mitigations=off: faster under a software CPU
@@ -119,10 +122,9 @@ def _qemu(img: Image, accel: str, ctl: Path, opts: VMOptions, serial: str) -> li
     ]
 
 
-def run(img: Image, command: str, opts: VMOptions, out=None, note=None) -> RunResult:
+def run(img: Image, command: str, opts: VMOptions, out=None) -> RunResult:
     """Boot, run COMMAND as root in the shared tree, stream its output; its exit code."""
     out = out or sys.stdout.buffer
-    note = note or (lambda m: print(m, file=sys.stderr, flush=True))
     accel, why = accelerator(img, opts.accel)
     with tempfile.TemporaryDirectory(prefix="fabriclab-vm-") as tmp:
         ctl = Path(tmp)
@@ -131,8 +133,8 @@ def run(img: Image, command: str, opts: VMOptions, out=None, note=None) -> RunRe
         if not sys.stdout.isatty():
             # the guest's console is a tty; the host's output is not (CI logs): no colours
             (ctl / "env").write_text("PY_COLORS=0\nNO_COLOR=1\nTERM=dumb\n")
-        note(f"[vm] booting ({accel}: {why}; {opts.cpus} CPUs, {opts.memory_mb} MB; "
-             f"timeout {opts.timeout_s / 60:g} min): {command}")
+        log.info(f"[vm] booting ({accel}: {why}; {opts.cpus} CPUs, {opts.memory_mb} MB; "
+                 f"timeout {opts.timeout_s / 60:g} min): {command}")
         t0 = time.monotonic()
         proc = subprocess.Popen(_qemu(img, accel, ctl, opts, "stdio"), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

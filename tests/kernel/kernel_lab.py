@@ -17,7 +17,7 @@ from topologies.registry import build_topo
 @contextmanager
 def leaf_spine(workdir: Path, **params):
     topo = build_topo("leaf-spine", **params)
-    with FabricNetwork(topo, workdir, progress=lambda m: None) as net:
+    with FabricNetwork(topo, workdir) as net:
         yield net
 
 

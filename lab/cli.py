@@ -11,8 +11,8 @@ from pathlib import Path
 
 from lab.core import console
 from lab.core.errors import LabError, Terminated, UsageError
-from topologies.params import ParamError
-from topologies.registry import TOPOLOGIES, make_params
+from topologies.params import ParamError, key_value
+from topologies.registry import TOPOLOGIES, build_topo
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ class Parser(argparse.ArgumentParser):
     (NUMBER_LIST_OPTIONS) takes a value starting with a minus sign."""
 
     def error(self, message: str):
+        old = re.search(r"unrecognized arguments: --([\w-]+)", message)
+        if old and old.group(1).replace("-", "_") in {"topology", *_topology_params()}:
+            # the fabric's shape has one spelling, `run`'s: --set KEY=VALUE
+            message += (f" (the fabric is set with --set KEY=VALUE, as for `run`: "
+                        f"--set {old.group(1).replace('-', '_')}=...)")
         raise UsageError(message)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -57,37 +62,24 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(join_number_lists(args), namespace)
 
 
-def _topology_options() -> dict[str, str]:
-    """option dest -> help, over every topology's parameters."""
-    opts: dict[str, list[str]] = {}
-    for kind, cls in TOPOLOGIES.items():
-        for f in dataclasses.fields(cls.Params):
-            opts.setdefault(f.name, []).append(kind)
-    return {name: "all topologies" if len(kinds) == len(TOPOLOGIES) else ", ".join(kinds)
-            for name, kinds in opts.items()}
+def _topology_params() -> set[str]:
+    return {f.name for cls in TOPOLOGIES.values() for f in dataclasses.fields(cls.Params)}
 
 
 def add_topology_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("topology")
-    g.add_argument("--topology", "-t", default="leaf-spine", choices=list(TOPOLOGIES),
-                   help="fabric kind (default leaf-spine)")
-    for dest, kinds in _topology_options().items():
-        g.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
-                       metavar="N", help=f"({kinds})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="the fabric, as for `run`: topology=" + "|".join(TOPOLOGIES) +
+                        " (default leaf-spine) and its parameters (README, Topologies), "
+                        "e.g. --set spines=4 --set hosts_per_leaf=8; repeatable")
 
 
 def topology_from_args(args):
-    given = {k: getattr(args, k) for k in _topology_options() if getattr(args, k) is not None}
-    fields = {f.name for f in dataclasses.fields(TOPOLOGIES[args.topology].Params)}
-    for key in given:
-        if key not in fields:
-            raise UsageError(f"--{key.replace('_', '-')} does not apply to {args.topology} "
-                             f"(it applies to: {_topology_options()[key]})")
+    """--set items -> the topology they describe."""
     try:
-        params = make_params(args.topology, **given)
+        values = dict(key_value(item) for item in args.set)
+        return build_topo(values.pop("topology", "leaf-spine"), **values)
     except ParamError as e:
-        raise UsageError(f"{e}") from None
-    return TOPOLOGIES[args.topology](params)
+        raise UsageError(str(e)) from None
 
 
 def add_runtime_arg(p: argparse.ArgumentParser) -> None:

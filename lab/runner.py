@@ -36,7 +36,7 @@ from lab.fabric.telemetry import QueueTelemetry, render
 from lab.kernel.queues import QueueParams
 from lab.session import Session
 from traffic.samples import WIRESHARK_LUA
-from topologies.params import ParamError, parse_value
+from topologies.params import ParamError, key_value, parse_value
 from topologies.registry import TOPOLOGIES, make_params
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,10 @@ def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
     exp_fields = {f.name: f for f in dataclasses.fields(mod.Params)}
     exp_values, topo_values, queue_values = {}, {}, {}
     for item in settings:
-        if "=" not in item:
-            raise UsageError(f"--set takes key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        key = key.strip().replace("-", "_")
+        try:
+            key, value = key_value(item)
+        except ParamError as e:
+            raise UsageError(str(e)) from None
         if key in exp_fields:
             exp_values[key] = _convert(value, exp_fields[key].type, key)
         elif key in QUEUE_SETTINGS:

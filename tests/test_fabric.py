@@ -18,16 +18,17 @@ pytestmark = requires_root
 
 
 @pytest.mark.parametrize("args,pairs", [
-    (["-t", "leaf-spine", "--spines", "2", "--leaves", "2", "--hosts-per-leaf", "2"],
+    (["--set", "topology=leaf-spine", "--set", "spines=2", "--set", "leaves=2",
+      "--set", "hosts-per-leaf=2"], "reachable: 12/12 host pairs"),
+    (["--set", "topology=rack", "--set", "racks=2", "--set", "gpus_per_rack=2"],
      "reachable: 12/12 host pairs"),
-    (["-t", "rack", "--racks", "2", "--gpus-per-rack", "2"], "reachable: 12/12 host pairs"),
-    (["-t", "fat-tree", "--k", "4"], "reachable: 240/240 host pairs"),
+    (["--set", "topology=fat-tree", "--set", "k=4"], "reachable: 240/240 host pairs"),
 ])
 def test_verify_each_topology(args, pairs):
     r = fabriclab("verify", *args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert pairs in r.stdout
-    if "rack" in args:
+    if "topology=rack" in args:
         assert "reachable: 4/4 scale-up pairs (in-rack)" in r.stdout
 
 
@@ -103,7 +104,7 @@ def test_link_rates_are_real_kernel_queues(tmp_path):
 
 
 def test_up_opens_the_mininet_cli():
-    r = fabriclab("up", "-t", "fat-tree", "--k", "2",
+    r = fabriclab("up", "--set", "topology=fat-tree", "--set", "k=2",
                   input="g0 ping -c1 -W2 10.1.1.1\npingall\n")
     out = r.stdout + r.stderr   # Mininet's CLI writes through its logger, to stderr
     assert r.returncode == 0, out

@@ -18,12 +18,14 @@ from topologies.registry import build_topo
 
 
 @pytest.mark.parametrize("args,word", [
-    (["verify", "-t", "torus"], "torus"),
-    (["verify", "--spines", "0"], "spines"),
-    (["verify", "--leaves", "-2"], "leaves"),
-    (["verify", "--host-rate-mbps", "0"], "host_rate_mbps"),
-    (["verify", "--k", "4"], "--k"),
-    (["verify", "-t", "fat-tree", "--k", "5"], "k must be even"),
+    (["verify", "--set", "topology=torus"], "torus"),
+    (["verify", "--set", "spines=0"], "spines"),
+    (["verify", "--set", "leaves=-2"], "leaves"),
+    (["verify", "--set", "host-rate-mbps=0"], "host_rate_mbps"),
+    (["verify", "--set", "k=4"], "'k'"),
+    (["verify", "--set", "topology=fat-tree", "--set", "k=5"], "k must be even"),
+    (["verify", "--set", "spines"], "key=value"),
+    (["up", "--spines", "2"], "--set spines="),      # the old spelling says the new one
     (["run", "nope"], "nope"),
     (["run", "reachability", "--set", "colour=blue"], "colour"),
     (["run", "reachability", "--set", "tries=lots"], "tries"),
@@ -59,7 +61,8 @@ def test_teardown_after_success_and_after_failure(tmp_path):
 def test_ctrl_c_or_sigterm_tears_everything_down(wait_for, sig, code):
     # as from a terminal: a suite started in the background by a shell without job control
     # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored
-    proc = subprocess.Popen(FABRICLAB + ["verify", "--leaves", "4", "--hosts-per-leaf", "4"],
+    proc = subprocess.Popen(FABRICLAB + ["verify", "--set", "leaves=4",
+                                          "--set", "hosts_per_leaf=4"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

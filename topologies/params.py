@@ -1,6 +1,6 @@
 """Parameters from text, in one place: `--set key=value` for an experiment, a
-topology or the queues (lab/runner.py), `--spines 2` (lab/cli.py), and keyword
-values given to the topology registry all turn into typed values here."""
+topology or the queues (`fabriclab run`, lab/runner.py; `verify` and `up`, lab/cli.py)
+and keyword values given to the topology registry all turn into typed values here."""
 from __future__ import annotations
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -8,6 +8,15 @@ TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 class ParamError(ValueError):
     """A parameter is out of range or not of its type; the message names it."""
+
+
+def key_value(item: str) -> tuple[str, str]:
+    """One `--set` item, "key=value", as (key, value); a key's dashes are underscores
+    (`hosts-per-leaf=4` is `hosts_per_leaf`)."""
+    if "=" not in item:
+        raise ParamError(f"--set takes key=value, got {item!r}")
+    key, value = item.split("=", 1)
+    return key.strip().replace("-", "_"), value
 
 
 def parse_value(key: str, value, ftype):

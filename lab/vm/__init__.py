@@ -8,7 +8,7 @@
     fabriclab vm kernel-check     exit 0 when THIS kernel can run tests/kernel itself
 
 Modules: image.py (the image and its cache), machine.py (qemu), cpio.py (initramfs);
-the guest's scripts are vm/initrd-init and vm/guest-init.
+the guest's scripts are lab/vm/guest/initrd-init and lab/vm/guest/guest-init.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ provisioned by vagrant/provision.sh, built from Debian packages only.
 
     vmlinux      the kernel, uncompressed (decompressing vmlinuz under a software CPU
                  takes seconds at every boot)
-    initrd.gz    busybox + the virtio, ext4 and 9p modules (vm/initrd-init)
+    initrd.gz    busybox + the virtio, ext4 and 9p modules (lab/vm/guest/initrd-init)
     rootfs.ext4  debootstrap minbase bookworm + the lab's packages and virtualenv
                  (/opt/fabriclab/venv, an editable install of /fabriclab, where the
                  working tree is shared at run time)
@@ -40,7 +40,7 @@ TREE_IN_VM = "/fabriclab"               # the working tree's path inside the VM
 VENV_IN_VM = "/opt/fabriclab/venv"      # as in the Vagrantfile: off the shared folder
 # Bump when the image layout changes in a way the hashed files below do not show.
 BUILD_FORMAT = 1
-BUILD_CODE = ["lab/vm/image.py", "lab/vm/cpio.py", "vm/initrd-init"]
+BUILD_CODE = ["lab/vm/image.py", "lab/vm/cpio.py", "lab/vm/guest/initrd-init"]
 # On top of minbase and what provision.sh installs: what the guest init needs.
 IMAGE_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates"]
 # Modules the initramfs loads to reach the disk and the shared tree (deps added).
@@ -501,7 +501,7 @@ def _initramfs(ins: ImageInputs, busybox_deb: Path, root: Path, work: Path,
     modules = initrd_modules(root, ins.kernel_release)
     entries = [cpio.directory(d) for d in ["bin", "dev", "proc", "sys", "newroot", "modules"]]
     entries += [cpio.file("bin/busybox", x / "bin/busybox", 0o755),
-                cpio.file("init", REPO / "vm/initrd-init", 0o755)]
+                cpio.file("init", REPO / "lab/vm/guest/initrd-init", 0o755)]
     entries += [cpio.file(f"modules/{m.name}", m) for m in modules]
     order = "".join(m.name + "\n" for m in modules).encode()
     entries.append(cpio.Entry("modules/order", 0o100644, order))

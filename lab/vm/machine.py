@@ -114,7 +114,7 @@ def _qemu(img: Image, accel: str, ctl: Path, opts: VMOptions, serial: str) -> li
         "-serial", serial,
         "-initrd", str(img.initrd),
         "-append", f"{KERNEL_ARGS} fabriclab.tree={image.TREE_IN_VM} "
-                   f"fabriclab.init={image.TREE_IN_VM}/vm/guest-init",
+                   f"fabriclab.init={image.TREE_IN_VM}/lab/vm/guest/guest-init",
         "-drive", f"file={img.rootfs},format=raw,if=virtio,snapshot=on",
         "-device", "virtio-rng-pci",
         "-virtfs", f"local,path={image.REPO},mount_tag=fabriclab,security_model=none,id=tree",

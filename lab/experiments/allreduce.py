@@ -67,7 +67,7 @@ def run(ctx: RunContext) -> dict:
     n = len(ctx.fabric.hosts)
     tensors = tensors_for(p, n)
     log.info(f"{p.algorithm} all-reduce of {tensors[0].nbytes:,} bytes per GPU over {n} "
-                 f"GPU hosts ({p.transport})")
+             f"GPU hosts ({p.transport})")
     m = collective.run(ctx.net, tensors, p.transport, algorithm=p.algorithm)
     if p.values:    # small enough to show: what each host gave and what it holds now
         for h, v in m["per_host"].items():
@@ -79,7 +79,7 @@ def run(ctx: RunContext) -> dict:
     for key in ("results", "expected"):
         m.pop(key)
     log.info(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
-                 f"({m['busbw_over_link']:.0%} of the {m['link_rate_mbps']:.0f} Mb/s link)")
+             f"({m['busbw_over_link']:.0%} of the {m['link_rate_mbps']:.0f} Mb/s link)")
     return m
 
 

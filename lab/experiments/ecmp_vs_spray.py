@@ -98,11 +98,11 @@ def run(ctx: RunContext) -> dict:
     with GpuAgents(ctx.net) as gpus:
         for name, transport, params in variants:
             log.info(f"{len(plan)} flows of {plan[0][2] / 1e6:.1f} MB from fl-lf0 to fl-lf1 "
-                         f"over {name}")
+                     f"over {name}")
             m = measure(ctx, gpus, transport, plan, params)
             log.info(f"  bytes per spine uplink: {m['bytes_per_spine_uplink']} "
-                         f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
-                         f"{m['completion_s_max']:.2f} s")
+                     f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
+                     f"{m['completion_s_max']:.2f} s")
             out[name] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out

@@ -283,16 +283,16 @@ def run(ctx: RunContext) -> dict:
                             f"to a gate p99.9 {h['measured_gate_ms_p999']} ms"
                             if h["measured_gate_ms_p999"] is not None else ""]
                 log.info(f"  PFC headroom: {h['feeding_ports']} feeding ports at "
-                             f"{h['response_ms']} ms response = {h['needed_bytes'] / 1024:.1f} KB"
-                             f" needed, {h['kept_bytes'] / 1024:.1f} KB kept of the "
-                             f"{h['buffer_bytes'] / 1024:.0f} KB buffer (measured: "
-                             f"{', '.join(x for x in measured if x) or 'no pause'})")
+                         f"{h['response_ms']} ms response = {h['needed_bytes'] / 1024:.1f} KB"
+                         f" needed, {h['kept_bytes'] / 1024:.1f} KB kept of the "
+                         f"{h['buffer_bytes'] / 1024:.0f} KB buffer (measured: "
+                         f"{', '.join(x for x in measured if x) or 'no pause'})")
             log.info(f"  drops {m['drops_packets']}, CE marks {m['ce_marked_packets']}, "
-                         f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
-                         f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"
-                         f"{m['backlog_bytes_p99'] / 1024:.1f} KB, "
-                         f"{m['flows_completed']}/{len(senders)} flows done in "
-                         f"{m['elapsed_s']:.1f} s ({m['delivered_fraction']:.0%} of the bytes)")
+                     f"CNPs {m['cnp_packets']}, pause frames {m['pause_frames_sent']}, "
+                     f"backlog p50/p99 {m['backlog_bytes_p50'] / 1024:.1f}/"
+                     f"{m['backlog_bytes_p99'] / 1024:.1f} KB, "
+                     f"{m['flows_completed']}/{len(senders)} flows done in "
+                     f"{m['elapsed_s']:.1f} s ({m['delivered_fraction']:.0%} of the bytes)")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     out["starved"] = [w for v in p.variant_list if p.congestion(v).pfc
                       for w in starved(v, out[v]["drops_elsewhere"])]

@@ -167,7 +167,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
     t_fail = time.time()
     set_link(failed, up=False)
     log.info(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
-                 f"{WINDOW_S:.1f} s: {load})")
+             f"{WINDOW_S:.1f} s: {load})")
     flow.join(timeout=180)
     rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
     t_up = time.time()
@@ -206,10 +206,10 @@ def run(ctx: RunContext) -> dict:
     with GpuAgents(ctx.net, hosts=hosts) as gpus:
         for transport in ("rc", "mrc"):
             log.info(f"{transport}: {what}; an uplink of {leaf} fails after "
-                         f"{p.fail_after_s} s, rerouted after {p.reroute_delay_ms:.0f} ms")
+                     f"{p.fail_after_s} s, rerouted after {p.reroute_delay_ms:.0f} ms")
             m = out[transport] = run_variant(ctx, gpus, transport, leaf)
             log.info(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
-                         f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
+                     f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out
 

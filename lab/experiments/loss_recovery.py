@@ -71,7 +71,7 @@ def run(ctx: RunContext) -> dict:
                  "goodput_mbps": nbytes * 8 / flow["completion_s"] / 1e6,
                  "intact": flow["intact"]}
             log.info(f"{transport}: {lost} lost, {retx} retransmitted ({dups} arrived as "
-                         f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
+                     f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     return out

@@ -153,11 +153,11 @@ def run(ctx: RunContext) -> dict:
     with GpuAgents(ctx.net, hosts=hosts) as gpus:
         for variant in VARIANTS:
             log.info(f"{variant}: victim {r['victim']} -> {r['victim_dst']}"
-                         + ("" if variant == "alone" else
+                     + ("" if variant == "alone" else
                             f" beside {len(r['senders'])} senders -> {r['receiver']}"))
             m = out[variant] = run_variant(ctx, gpus, variant, r)
             log.info(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
-                         f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
+                     f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     out["starved"] = starved("pfc", out["pfc"]["drops_packets"])
     set_congestion(ctx.net, CongestionParams())

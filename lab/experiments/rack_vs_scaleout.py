@@ -60,7 +60,7 @@ def run(ctx: RunContext) -> dict:
     out = {"gpus": n, "racks": racks, "scaleout_mbps": out_mbps, "scaleup_mbps": up_mbps}
     for algorithm in ("ring", "hier"):
         log.info(f"{algorithm} all-reduce of {p.size_kb} KB per GPU over {n} GPUs "
-                     f"in {racks} racks ({p.transport})")
+                 f"in {racks} racks ({p.transport})")
         m = collective.run(ctx.net, tensors, p.transport, algorithm=algorithm)
         model = model_time_s(algorithm, n, m["size_bytes"], out_mbps, racks, up_mbps)
         out[algorithm] = {"time_s": round(m["time_s"], 4), "model_time_s": round(model, 4),

@@ -185,13 +185,13 @@ def run(ctx: RunContext) -> dict:
         for loss in p.loss_list:
             m = out["lab_rc"][key(loss)] = lab_rc_run(ctx, gpus, src, dst, loss)
             log.info(f"lab RC, {loss:g}% loss: {m['lost_packets']} lost, "
-                         f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
+                     f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     with RxeHosts(ctx.net, [src.name, dst.name]) as rxe:
         for loss in p.loss_list:
             m = out["rxe"][key(loss)] = rxe_run(ctx, rxe, src, dst, loss)
             log.info(f"rxe,    {loss:g}% loss: {m['lost_packets']} lost, "
-                         f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
+                     f"{m['retransmitted']} retransmitted, {m['goodput_mbps']} Mb/s")
     out["side_by_side"] = side_by_side(out["lab_rc"], out["rxe"])
     return out
 

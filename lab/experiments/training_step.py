@@ -141,7 +141,7 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
                       "retransmitted": sum(c.get("retransmitted", 0) for per in res.counters
                                            for c in per.values())})
         log.info(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
-                     f"{comm_s / step_s:.0%}")
+                 f"{comm_s / step_s:.0%}")
     return {"steps": steps,
             "step_s_mean": round(statistics.mean(x["step_s"] for x in steps), 4),
             "allreduce_s_mean": round(statistics.mean(x["allreduce_s"] for x in steps), 4),
@@ -166,7 +166,7 @@ def run(ctx: RunContext) -> dict:
     for i, variant in enumerate(p.variant_list):
         ring = crossing if variant in ("collision", "spray") else in_order
         log.info(f"{variant}: {p.steps} steps of {p.compute_ms:.0f} ms compute + "
-                     f"all-reduce of {p.grad_kb} KB over the ring {' -> '.join(ring)}")
+                 f"all-reduce of {p.grad_kb} KB over the ring {' -> '.join(ring)}")
         set_congestion(ctx.net, CongestionParams(ecn=p.ecn if "ecn" in variant else "off"))
         transport = "mrc" if variant == "spray" else "rc"
         params = rc if transport == "rc" else None
@@ -183,8 +183,8 @@ def run(ctx: RunContext) -> dict:
             cpu_bound.update(gpus.cpu_bound())
         out[variant] = m
         log.info(f"  mean step {m['step_s_mean'] * 1e3:.0f} ms, all-reduce "
-                     f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
-                     f"{m['idle_fraction_mean']:.0%}")
+                 f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
+                 f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)
     set_congestion(ctx.net, CongestionParams())
     return out

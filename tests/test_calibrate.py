@@ -2,10 +2,14 @@
 scaling the experiments' defaults on a machine slower than the reference."""
 import json
 import os
+from types import SimpleNamespace
 
 from conftest import fabriclab
 from lab import runner
 from lab.core import paths
+from lab.fabric.gpus import GpuAgents
+from traffic.mrc import MrcParams
+from traffic.rc import RcParams
 
 
 def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
@@ -24,6 +28,17 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
     assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
+
+
+def test_retransmit_timers_stretch_with_the_machine_unless_given():
+    def params(factor, transport, given=None):
+        agents = SimpleNamespace(net=SimpleNamespace(machine_factor=factor))
+        return GpuAgents._params(agents, transport, given)
+    assert params(0.2, "mrc") == {"rto_ms": MrcParams().rto_ms / 0.2}
+    assert params(0.5, "rc", {"window_packets": 8}) == {"window_packets": 8,
+                                                          "rto_ms": RcParams().rto_ms / 0.5}
+    assert params(0.2, "rc", {"rto_ms": 70}) == {"rto_ms": 70}     # given: kept
+    assert params(1.0, "mrc") == {}                                 # the reference machine
 
 
 def test_calibrate_measures_and_the_runner_uses_it(tmp_path):

@@ -271,6 +271,89 @@ def test_a_slow_rc_sender_asks_for_acks_before_its_timer_runs_out():
     assert qb.counters.acks_sent >= 40      # one per packet: each took > rto / 4
 
 
+def test_mrc_timer_follows_a_slow_receivers_round_trip():
+    """A receiver host that gets the CPU for 20 ms in every 100 ms (as under a software
+    CPU beside busy neighbours) answers up to 80 ms late: within the 100 ms margin of
+    MRC's timer over the round trip, but only if what the receiver coalesced goes out
+    within its slice (sack_delay_ms), not a slice later, when the sender's window waits
+    for it. Nothing is resent, nothing was lost. (A stall longer than the margin would
+    time packets out: the margin is what a lab host's stalls must stay under.)"""
+    nic_a, nic_b, qa, qb, region = pair("mrc")
+    data = os.urandom(300 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    t0 = time.monotonic()
+    while not (qa.idle() and any(e[0] == "received" for e in qb.events)):
+        now = time.monotonic()
+        assert now < t0 + 30, "transfer did not finish"
+        nics = [nic_a, nic_b] if (now - t0) % 0.1 > 0.08 else [nic_a]
+        for nic in nics:
+            nic.receive(now)
+            nic.transmit(now)
+            nic.timers(now)
+        time.sleep(0.001)
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.counters.timeouts == 0 and qa.counters.retransmitted == 0
+    assert qb.counters.acks_sent < qb.counters.received     # still coalesced
+
+
+def test_mrc_timer_before_and_after_samples():
+    q = MrcQP(A, 0x101, 0x102, None)
+    assert q.rto_s == MrcParams().initial_rto_ms / 1000         # no sample yet
+    for _ in range(20):
+        q._rtt_sample(0.002, 0.0)                               # a quick, steady path
+    assert q.rto_s == pytest.approx(0.002 + MrcParams().rto_ms / 1000)   # the margin's floor
+    for i in range(20):
+        q._rtt_sample(0.05 if i % 2 else 0.25, 0.0)            # a jittery one
+    assert q.rto_s > q.srtt + 0.2 > q.srtt + MrcParams().rto_ms / 1000   # 4 rttvar rules
+
+
+def test_mrc_receiver_answers_what_it_coalesced_within_sack_delay():
+    """A sender whose window is full waits for the SACK of its last packets: the
+    receiver's coalescing timer sends it."""
+    _, _, qa, qb, region = pair("mrc")
+    qa.post_write(os.urandom(16 * 1024), region.base_va, 7, tag=1)
+    frames = [qa.next_frame(0.0) for _ in range(2)]
+    assert [qb.on_packet(parse(f, EXT_BYTES), 0.0) for f in frames] == [[], []]   # coalesced
+    delay_s = MrcParams().sack_delay_ms / 1000
+    assert qb.deadline() == pytest.approx(delay_s)
+    assert qb.on_timer(delay_s / 2) == []
+    [sack] = qb.on_timer(delay_s)
+    assert psn_of(sack) == 2 and qb.deadline() is None              # both answered
+
+
+def test_mrc_receiver_answers_at_once_at_the_credit_edge():
+    """With many senders a receiver grants each fewer packets than it coalesces
+    (CreditPool: budget / senders, at least 2): the packet at the edge of what it
+    granted is answered at once, or its sender would wait for the coalescing timer."""
+    _, _, qa, qb, region = pair("mrc", credit_packets=3, credit_budget_packets=0)
+    qa.post_write(os.urandom(16 * 1024), region.base_va, 7, tag=1)
+    frames = [qa.next_frame(0.0) for _ in range(3)]
+    assert not qa.pending(0.0)                                      # no credit left
+    out = [qb.on_packet(parse(f, EXT_BYTES), 0.0) for f in frames]
+    assert [len(o) for o in out] == [0, 0, 1]
+    qa.on_packet(parse(out[2][0], EXT_BYTES), 0.001)
+    assert qa.pending(0.001) and qa.credit_limit == 3 + 3
+
+
+def test_mrc_resent_packets_neither_time_the_path_nor_pass_others():
+    """Karn: the answer to a resent packet may be the first sending's, so it gives no
+    RTT sample, and it does not count as sent after the packets in flight (it would
+    'pass' them by more than reorder_packets, declaring them lost)."""
+    _, _, qa, qb, region = pair("mrc")
+    qa.post_write(os.urandom(40 * 1024), region.base_va, 7, tag=1)
+    first = qa.next_frame(0.0)
+    for _ in range(19):
+        qa.next_frame(0.5)
+    qa.on_timer(qa.rto_s + 0.001)                    # seq 0 times out (no answer yet)
+    assert qa.counters.timeouts == 1
+    qa.next_frame(1.1)                               # and is resent, after seqs 1-19
+    qb.on_packet(parse(first, EXT_BYTES), 1.2)       # the first sending arrives late
+    [sack] = qb.on_timer(1.3)
+    qa.on_packet(parse(sack, EXT_BYTES), 1.3)
+    assert qa.srtt is None and qa.snd_cum == 1
+    assert not qa.retx and qa.counters.timeouts == 1   # seqs 1-19 still in flight, not lost
+
+
 def test_mrc_window_shrinks_on_ecn_echo():
     nic_a, nic_b, qa, qb, region = pair("mrc", mark=mark_ce)
     data = os.urandom(300_000)

@@ -11,7 +11,10 @@ bitmap, the EV it came on, an ECN echo, and a credit: how far the sender may go)
 sent back on that same EV so that the SACKs are sprayed too.
 
 Sender: a packet is lost once `reorder_packets` packets sent after it were
-acknowledged, or when its retransmit timer fires; only lost packets are resent,
+acknowledged, or when its retransmit timer fires (the timeout follows the measured
+round trip: srtt + max(4 rttvar, `rto_ms`), RFC 6298's estimator with Linux's floor on
+the variation term, and `initial_rto_ms` before the first sample; samples only from
+packets sent once, as Karn's algorithm says); only lost packets are resent,
 on another EV. An EV whose packets keep getting lost is retired, probed after a
 while and readmitted when a probe gets through; at least `min_active_evs` stay
 active. The window (packets in flight) grows by one per window of ACKs and
@@ -40,8 +43,12 @@ class MrcParams:
     evs: tuple[int, ...] = tuple(range(0xF000, 0xF008))
     min_active_evs: int = 2
     reorder_packets: int = 16
-    rto_ms: float = 100.0              # above a busy host's scheduling stalls: a spurious timeout
-                                       # resends packets that were not lost
+    rto_ms: float = 100.0              # the timeout's margin over the smoothed RTT, at least:
+                                       # above a busy host's scheduling stalls, or a spurious
+                                       # timeout resends what was not lost (a host answering
+                                       # in bursts has little variation to go by)
+    initial_rto_ms: float = 1000.0     # before the first RTT sample (RFC 6298's 1 s): a host
+                                       # slower than the floor must not time its first window out
     init_cwnd_packets: float = 64.0
     min_cwnd_packets: float = 4.0
     max_cwnd_packets: float = 1024.0
@@ -53,6 +60,9 @@ class MrcParams:
     credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
     sack_every_packets: int = 4        # receiver: coalesce SACKs, but answer at once a packet
                                        # that is out of order, CE-marked or ends a message
+    sack_delay_ms: float = 5.0         # receiver: what was coalesced is answered this long
+                                       # after it arrived at the latest (a sender whose window
+                                       # is full waits for it: without the timer, until its RTO)
     credit_budget_packets: int = 64    # receiver: packets in flight it grants all its senders
                                        # together (0: each QP its own credit_packets)
 
@@ -91,6 +101,7 @@ class Inflight:
     sent_at: float
     ev: EvState
     tx_index: int
+    resent: bool = False   # its answer may be the first sending's: no RTT sample (Karn)
 
 
 class MrcQP(QueuePair):
@@ -122,6 +133,8 @@ class MrcQP(QueuePair):
         self.credit_limit = min(p.credit_packets, p.credit_budget_packets or p.credit_packets)
         self.base_rtt = None
         self.srtt = None
+        self.rttvar = None
+        self.rto_s = p.initial_rto_ms / 1000
         self.last_decrease = -1.0
         self.ecn_echoes = 0
         # receiver
@@ -130,6 +143,9 @@ class MrcQP(QueuePair):
         self.rcv_count: dict[int, int] = {}
         self.rcv_bytes: dict[int, int] = {}
         self.unsacked = 0
+        self.unsacked_since: float | None = None   # the oldest packet not answered yet
+        self.unsacked_sport = 0
+        self.granted = self.credit_limit   # the credit edge the sender last heard (a seq)
 
     # --- sender ---------------------------------------------------------------------
     def post_write(self, data: bytes, remote_va: int, rkey: int, tag: int) -> None:
@@ -169,7 +185,8 @@ class MrcQP(QueuePair):
         return active[0]
 
     def next_frame(self, now: float) -> bytes:
-        if self.retx:
+        resent = bool(self.retx)
+        if resent:
             seq = self.retx.pop(0)
             old = self.inflight.pop(seq, None)
             ev = self._pick_ev(now, avoid=old.ev if old else None)
@@ -180,7 +197,7 @@ class MrcQP(QueuePair):
             ev = self._pick_ev(now)
         msg, i = self.message_of(seq)
         payload, va = self.chunk(msg, i)
-        self.inflight[seq] = Inflight(seq, now, ev, self.tx_index)
+        self.inflight[seq] = Inflight(seq, now, ev, self.tx_index, resent)
         self.tx_index += 1
         ev.sent += 1
         self.counters.sent += 1
@@ -190,20 +207,28 @@ class MrcQP(QueuePair):
                                       + immdt(imm), payload=payload)
 
     def deadline(self) -> float | None:
+        sack = None if self.unsacked_since is None \
+            else self.unsacked_since + self.params.sack_delay_ms / 1000
         for f in self.inflight.values():     # the oldest still waiting for its answer
             if f.sent_at != LOST:
-                return f.sent_at + self.params.rto_ms / 1000
-        return None
+                rto = f.sent_at + self.rto_s
+                return rto if sack is None else min(rto, sack)
+        return sack
 
-    def on_timer(self, now: float) -> None:
-        rto = self.params.rto_ms / 1000
+    def on_timer(self, now: float) -> list[bytes]:
+        """Fire what is due; the SACK that was waiting, if its time came."""
+        out = []
+        if self.unsacked_since is not None and \
+                now >= self.unsacked_since + self.params.sack_delay_ms / 1000:
+            out.append(self._sack(self.unsacked_sport, False, now))
         for f in self.inflight.values():
             if f.sent_at == LOST:
                 continue
-            if now - f.sent_at < rto:
+            if now - f.sent_at < self.rto_s:
                 break                          # and so is every later one
             self.counters.timeouts += 1
             self._lost(f, now)
+        return out
 
     def _lost(self, f: Inflight, now: float) -> None:
         self.retx.append(f.seq)
@@ -241,13 +266,14 @@ class MrcQP(QueuePair):
             f = self.inflight.pop(seq)
             if seq in self.retx:
                 self.retx.remove(seq)
-            if f.sent_at != LOST:
+            if f.sent_at != LOST and not f.resent:
                 self._rtt_sample(now - f.sent_at, now)
             f.ev.failures = 0
             if f.ev.status == "probing":
                 f.ev.status = "good"      # the probe got through: readmitted
                 self._statuses_changed()
-            self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
+            if not f.resent:   # (which sending arrived is not known: the first, maybe)
+                self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
             self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
         if cum > self.snd_cum:
             self.snd_cum = cum
@@ -266,7 +292,12 @@ class MrcQP(QueuePair):
 
     def _rtt_sample(self, rtt: float, now: float) -> None:
         self.base_rtt = rtt if self.base_rtt is None else min(self.base_rtt, rtt)
-        self.srtt = rtt if self.srtt is None else 0.875 * self.srtt + 0.125 * rtt
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:                              # RFC 6298, 2.3: rttvar first, from the old srtt
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.rto_s = self.srtt + max(self.params.rto_ms / 1000, 4 * self.rttvar)
         if rtt - self.base_rtt > self.params.target_delay_ms / 1000:
             self._decrease(now)
 
@@ -299,26 +330,35 @@ class MrcQP(QueuePair):
                 del self.rcv_count[tag]
                 self.unsacked = self.params.sack_every_packets      # answer now
         self.unsacked += 1
-        if self.unsacked < self.params.sack_every_packets and not p.ce and not self.rcv_seen:
+        # coalesced, unless something is worth telling at once; a packet at the credit
+        # edge is: its sender can send nothing more until it hears back
+        if self.unsacked < self.params.sack_every_packets and not p.ce and not self.rcv_seen \
+                and seq + 1 < self.granted:
+            if self.unsacked_since is None:
+                self.unsacked_since = now
+            self.unsacked_sport = p.sport
             return []
-        self.unsacked = 0
-        return [self._sack(p, now)]
+        return [self._sack(p.sport, p.ce, now)]
 
-    def _sack(self, p: Parsed, now: float) -> bytes:
+    def _sack(self, sport: int, ce: bool, now: float) -> bytes:
+        """Answer everything received so far, on the EV `sport` (that of the packet
+        answered), echoing its CE mark."""
+        self.unsacked, self.unsacked_since = 0, None
         base = self.rcv_cum + 1
         bitmap = 0
         for s in self.rcv_seen:
             if 0 <= s - base < MRC_SACK_BITMAP_BITS:
                 bitmap |= 1 << (s - base)
-        flags = MRC_SACK_FLAG_ECN_ECHO if p.ce else 0
+        flags = MRC_SACK_FLAG_ECN_ECHO if ce else 0
         grant = self.credit_pool.grant(self.qpn, now) if self.credit_pool \
             else self.params.credit_packets
-        credit = (self.rcv_cum + grant) & 0xFFFFFF
+        self.granted = self.rcv_cum + grant
+        credit = self.granted & 0xFFFFFF
         self.counters.acks_sent += 1
         # on the EV the answered packet came on: SACKs spread over the paths as the data
         # does, so one dead path cannot take every SACK (a fixed port would pin them all)
-        return self.ctrl_framer.frame(p.sport, Opcode.MRC_SACK, self.remote_qpn,
-                                      self.rcv_cum, ext=_SACKX.pack(bitmap, p.sport, flags, 0,
+        return self.ctrl_framer.frame(sport, Opcode.MRC_SACK, self.remote_qpn,
+                                      self.rcv_cum, ext=_SACKX.pack(bitmap, sport, flags, 0,
                                                                      credit))
 
     def ev_report(self) -> list[dict]:

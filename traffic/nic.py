@@ -221,13 +221,14 @@ class Nic:
         return None
 
     def timers(self, now: float) -> float:
-        """Fire due QP timers; return the time of the next event to wake for."""
+        """Fire due QP timers (what they answer joins the responses); return the time of
+        the next event to wake for."""
         wake = now + 0.05
         for qp in self.qps.values():
             dl = qp.deadline()
             if dl is not None:
                 if dl <= now:
-                    qp.on_timer(now)
+                    self.ctrl.extend(qp.on_timer(now))
                     dl = qp.deadline()
                 if dl is not None:
                     wake = min(wake, dl)

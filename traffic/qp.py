@@ -2,7 +2,8 @@
 
 A QP is driven by its NIC (nic.py): `pending(now)` says whether it has a frame
 to send now, `next_frame(now)` gives it, `on_packet(p, now)` takes a received
-frame and returns response frames, and `deadline()` says when a timer fires.
+frame and returns response frames, `deadline()` says when a timer fires and
+`on_timer(now)` fires it (returning response frames too: a delayed SACK).
 Completed messages are queued in `events`.
 """
 from __future__ import annotations

@@ -119,11 +119,12 @@ class RcQP(QueuePair):
             return self.last_progress + self.rto_s
         return None
 
-    def on_timer(self, now: float) -> None:
+    def on_timer(self, now: float) -> list[bytes]:
         if self.snd_una < self.snd_nxt and now >= self.last_progress + self.rto_s:
             self.counters.timeouts += 1
             self.snd_nxt = self.snd_una          # go back N
             self.last_progress = now
+        return []
 
     def _on_ack(self, p: Parsed, now: float) -> None:
         d = psn_delta(p.psn, self.snd_una)

@@ -164,8 +164,8 @@ def cmd_run(args) -> int:
             print(runner.render_repeat(summary))
             print(f"results: {out}/repeat.json (each run in {out}/run-N/)")
         return 0 if summary["all_held"] else 1
-    workdir, result = runner.run(args.name, args.set or [], args.out, capture=args.capture, live=args.live,
-                                 capture_mb=args.capture_mb,
+    workdir, result = runner.run(args.name, args.set or [], args.out, capture=args.capture,
+                                 live=args.live, capture_mb=args.capture_mb,
                                  controller_runtime=args.controller_runtime,
                                  use_dataplane=args.congestion_datapath == "bpf")
     if args.json:

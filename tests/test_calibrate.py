@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from conftest import fabriclab
 from lab import runner
 from lab.core import paths
+from lab.fabric import calibrate
 from lab.fabric.gpus import GpuAgents
 from traffic.mrc import MrcParams
 from traffic.rc import RcParams
@@ -28,6 +29,23 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
     assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
+
+
+def test_the_search_refines_between_the_sweeps_steps():
+    def machine(limit):
+        tried = []
+        def keeps_up_at(rate):
+            tried.append(rate)
+            return rate <= limit
+        return tried, keeps_up_at
+    tried, at = machine(8.0)
+    assert calibrate.search((5, 10, 20), at) == 7.1 and tried == [5, 10, 7.1]
+    tried, at = machine(6.0)
+    assert calibrate.search((5, 10, 20), at) == 5 and tried == [5, 10, 7.1]
+    tried, at = machine(100.0)
+    assert calibrate.search((5, 10, 20), at) == 20 and tried == [5, 10, 20]   # all keep up
+    tried, at = machine(1.0)
+    assert calibrate.search((5, 10), at) == 0.0 and tried == [5]              # none
 
 
 def test_retransmit_timers_stretch_with_the_machine_unless_given():

@@ -74,7 +74,26 @@ def run(ctx: RunContext) -> dict:
                      f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
+    out["starved"] = spurious(out["mrc"])
     return out
+
+
+def spurious(m: dict) -> list[str]:
+    """MRC packets resent though they had arrived (the receiver counted them twice):
+    not the transport's loss recovery at fault but the machine, when the sender's
+    timer fired while their SACKs were still on the way (a host stalled past its
+    margin), or later packets overtook them by more than reorder_packets."""
+    dups = m["receiver_duplicates"]
+    if not dups:
+        return []
+    why = (f"its retransmit timer fired ({m['timeouts']} timeouts) while their SACKs "
+           f"were still on the way: the hosts stalled longer than the timer's margin"
+           if m["timeouts"] else
+           "packets sent after them were acknowledged first, by more than reorder_packets "
+           "(a path or a host that stalled)")
+    return [f"mrc: {dups} of the {m['retransmitted_packets']} packets resent had arrived "
+            f"(the receiver counted them twice): {why}, so the resends beyond the "
+            f"{m['lost_packets']} lost come from the machine's load, not from MRC"]
 
 
 def claims(params: Params, m: dict) -> list[Claim]:

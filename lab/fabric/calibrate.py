@@ -88,12 +88,28 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
             and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
 
 
+def search(rates: tuple[float, ...], keeps_up_at) -> float:
+    """The highest rate at which `keeps_up_at(rate)`: up the sweep until a rate falls
+    behind, then once between it and the last that kept up (their geometric mean, to a
+    tenth of a Mb/s). The sweep's steps are 2-2.5x apart: a machine between two of them
+    would otherwise run every experiment up to that much slower than it can."""
+    best = 0.0
+    for rate in rates:
+        if not keeps_up_at(rate):
+            mid = round((best * rate) ** 0.5, 1)
+            if best < mid < rate and keeps_up_at(mid):
+                best = mid
+            break
+        best = rate
+    return best
+
+
 def measure(rates: tuple[float, ...] = SWEEP_MBPS) -> Calibration:
-    """Rate after rate until a host falls behind."""
+    """Rate after rate until a host falls behind (search)."""
     from lab.fabric.network import FabricNetwork
-    sweep, best = [], 0.0
+    sweep = []
     with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
-        for rate in rates:
+        def keeps_up_at(rate: float) -> bool:
             with FabricNetwork(two_hosts(rate), Path(tmp) / f"r{rate:g}") as net:
                 # one MRC message, so no more packets than its header can count
                 r = flow(net, "mrc", min(int(rate * 1e6 / 8 * FLOW_SECONDS),
@@ -103,9 +119,8 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS) -> Calibration:
                                                 for k, v in r.items()}, "keeps_up": ok})
             log.info(f"{rate:6g} Mb/s: goodput {r['goodput_mbps']:.1f} Mb/s, sender CPU "
                      f"{r['cpu_fraction']:.0%}: {'keeps up' if ok else 'falls behind'}")
-            if not ok:
-                break
-            best = rate
+            return ok
+        best = search(rates, keeps_up_at)
     return Calibration(best, machine(), sweep, time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

@@ -3,7 +3,9 @@ RC's parameters through congested ports, rates from a transport's samples, the d
 path's drop counts and what they say about the machine, the all-reduce model."""
 from __future__ import annotations
 
-from traffic.constants import DEFAULT_MTU_BYTES
+import time
+
+from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
 from traffic.roce import WRITE_OVERHEAD_BYTES
 
@@ -46,6 +48,23 @@ def dataplane_drops(dp, prio: int) -> dict[str, int]:
     for sw in {s.node for s in dp.slots if s.switch}:
         drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
     return drops
+
+
+class SwitchDrops:
+    """The RoCE data frames the switches drop from now until `count()`: the data path's
+    exact counters, or where it cannot run the queue telemetry's."""
+
+    def __init__(self, net, telemetry):
+        self.dp, self.telemetry = net.dataplane, telemetry
+        self.t0 = time.time()
+        self.before = dataplane_drops(self.dp, PRIORITY_ROCE_DATA) if self.dp else {}
+
+    def count(self) -> int:
+        if self.dp:
+            return sum(n - self.before.get(k, 0)
+                       for k, n in dataplane_drops(self.dp, PRIORITY_ROCE_DATA).items())
+        return sum(q["drops_packets"] for k, q in self.telemetry.summary(
+            self.t0, time.time()).items() if k.endswith(f":{PRIORITY_ROCE_DATA}"))
 
 
 def starved(variant: str, drops: dict[str, int]) -> list[str]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import rc_params
+from lab.experiments.common import SwitchDrops, rc_params
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
 
@@ -113,6 +113,7 @@ class BackgroundIncast:
             self.error = str(e)
 
     def __enter__(self) -> "BackgroundIncast":
+        self.t0 = time.monotonic()
         self.thread.start()
         time.sleep(0.3)          # the queue is full before the first step
         return self
@@ -120,7 +121,13 @@ class BackgroundIncast:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(timeout=90)
+        self.elapsed_s = time.monotonic() - self.t0
         self.gpus.close()
+
+    def load(self, rate_mbps: float) -> float:
+        """What the senders delivered together, over the target's link rate."""
+        bits = self.rounds * len(self.senders) * BACKGROUND_FLOW_KB * 1024 * 8
+        return bits / self.elapsed_s / (rate_mbps * 1e6)
 
 
 def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | None) -> dict:
@@ -128,6 +135,7 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
     n = len(gpus.hosts)
     elems = p.grad_kb * 1024 // 4
     steps = []
+    drops = SwitchDrops(ctx.net, ctx.telemetry)
     for s in range(p.steps):
         time.sleep(p.compute_ms / 1000)        # every GPU computes: the network is idle
         grads = [rng.standard_normal(elems).astype(np.float32) for _ in range(n)]
@@ -139,7 +147,11 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
         steps.append({"step": s, "allreduce_s": round(comm_s, 4), "step_s": round(step_s, 4),
                       "idle_fraction": round(comm_s / step_s, 4), "correct": ok,
                       "retransmitted": sum(c.get("retransmitted", 0) for per in res.counters
-                                           for c in per.values())})
+                                           for c in per.values()),
+                      "timeouts": sum(c.get("timeouts", 0) for per in res.counters
+                                      for c in per.values()),
+                      "naks": sum(c.get("naks_sent", 0) for per in res.counters
+                                  for c in per.values())})
         log.info(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
                  f"{comm_s / step_s:.0%}")
     return {"steps": steps,
@@ -148,6 +160,9 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
             "allreduce_s_max": max(x["allreduce_s"] for x in steps),
             "idle_fraction_mean": round(statistics.mean(x["idle_fraction"] for x in steps), 4),
             "retransmitted_packets": sum(x["retransmitted"] for x in steps),
+            "timeouts": sum(x["timeouts"] for x in steps),
+            "naks": sum(x["naks"] for x in steps),
+            "switch_drops": drops.count(),     # RoCE data frames, every switch queue
             "all_correct": all(x["correct"] for x in steps)}
 
 
@@ -178,6 +193,7 @@ def run(ctx: RunContext) -> dict:
                                       {**rc, "line_rate_mbps": share}) as bg:
                     m = train(ctx, gpus, transport, rng, params)
                 m["background_rounds"], m["background_error"] = bg.rounds, bg.error
+                m["background_load"] = round(bg.load(rate), 3)   # asked: BACKGROUND_LOAD
             else:
                 m = train(ctx, gpus, transport, rng, params)
             cpu_bound.update(gpus.cpu_bound())
@@ -186,7 +202,28 @@ def run(ctx: RunContext) -> dict:
                  f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
                  f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)
+    out["starved"] = starved(out)
     set_congestion(ctx.net, CongestionParams())
+    return out
+
+
+def starved(m: dict) -> list[str]:
+    """What the machine's load did to the variants, where it shows: packets resent
+    though no switch dropped one (a host stalled past its retransmit timer, or its
+    receiver saw a gap it then filled), and a background incast too weak to drop."""
+    out = []
+    for v in VARIANTS:
+        x = m.get(v)
+        if x and x["retransmitted_packets"] and not x["switch_drops"]:
+            out.append(f"{v}: {x['retransmitted_packets']} packets resent though no switch "
+                       f"dropped one ({x['timeouts']} timeouts, {x['naks']} NAKs): the GPU "
+                       f"hosts stalled (CPU), not the network")
+    x = m.get("incast")
+    if x and not x["switch_drops"]:
+        out.append(f"incast: the background incast made no switch drop a frame: its senders "
+                   f"delivered {x['background_load']:.0%} of the GPU's link (asked: "
+                   f"{BACKGROUND_LOAD:.0%} beside the ring's flow), too little to overflow "
+                   f"its port on this machine, so ECN had no losses to remove")
     return out
 
 
@@ -203,11 +240,15 @@ def claims(params: Params, m: dict) -> list[Claim]:
     if "incast" in idle and "incast+ecn" in idle:
         # (the idle fraction under ECN is reported, not claimed: DCQCN slows the ring's
         # own flow into the congested GPU too; measured, it stayed at the incast's level)
+        # (losses are the switches' drops; retransmissions, reported beside them, also
+        # count resends a stalled host made of what had arrived)
+        drops = {v: m[v]["switch_drops"] for v in ("incast", "incast+ecn")}
         retx = {v: m[v]["retransmitted_packets"] for v in ("incast", "incast+ecn")}
         out.append(Claim("ECN (DCQCN) removes the losses the incast caused",
-                         retx["incast+ecn"] < retx["incast"],
-                         f"retransmitted: incast+ecn {retx['incast+ecn']}",
-                         f"< incast {retx['incast']}"))
+                         drops["incast+ecn"] < drops["incast"],
+                         f"switch drops: incast+ecn {drops['incast+ecn']} (retransmitted "
+                         f"{retx['incast+ecn']})",
+                         f"< incast {drops['incast']} (retransmitted {retx['incast']})"))
     if "collision" in idle and "spray" in idle:
         out.append(Claim("on the crossing ring, spraying (MRC) idles the GPUs less than RC's "
                          "pinned flows (which collide on a spine in some steps)",

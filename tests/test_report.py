@@ -148,3 +148,14 @@ def test_the_layout_check_sees_a_page_too_wide(tmp_path):
                     + "x" * 400 + "</td></tr></table></body></html>")
     got = browser.layout(page)
     assert got.overflows and got.page_width_px > browser.LAPTOP_WIDTH_PX
+
+
+def test_thinning_a_series_keeps_its_peaks_and_ends():
+    from lab.report import thin
+    points = [(i * 0.005, (i * 37) % 101) for i in range(20000)]    # 100 s at 5 ms
+    points[12345] = (points[12345][0], 5000)                        # one spike
+    shown = thin(points, 500)
+    assert len(shown) <= 1001 and shown[0] == points[0] and shown[-1] == points[-1]
+    assert (points[12345][0], 5000) in shown
+    assert [t for t, _ in shown] == sorted(t for t, _ in shown)
+    assert thin(points[:100], 500) == points[:100]                   # short: as it is

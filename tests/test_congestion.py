@@ -255,8 +255,14 @@ def test_the_switch_ports_own_buffers_bound_their_queues_not_ovs(tmp_path):
                 pausers.append(net.mininet[h].popen(
                     ["python3", "-c", send, i.name,
                      pause.pfc_frame(i.mac, {PRIORITY_ROCE_DATA: 0xFFFF}).hex()]))
-            time.sleep(0.3)
             leaf = net.fabric.host("g1").interface().switch
+            # every port paused before the pings (a python start takes seconds on a busy
+            # machine: a fixed wait let g3's first pings through, 1 run in 2 beside a VM)
+            deadline = time.monotonic() + 20
+            while not all(dp.counters(leaf, net.fabric.host(h).interface().port,
+                                      PRIORITY_ROCE_DATA)["pfc_rx_pause"] for h in paused):
+                assert time.monotonic() < deadline, "the hosts' pause frames never arrived"
+                time.sleep(0.05)
             lost0 = dp.lost_inside(leaf, PRIORITY_ROCE_DATA)
             pings = [net.mininet["g0"].popen(   # 50 echo requests of 1042 bytes to each
                 ["ping", "-c", "50", "-s", "1000", "-i", "0.01", "-W", "0.1", "-Q",
@@ -415,6 +421,17 @@ def test_frames_lost_inside_a_switch_name_the_starved_switch():
                            "fl-sp0:inside": 0})
     assert len(msgs) == 1 and "fl-lf0 lost 534 frames inside" in msgs[0], msgs
     assert "short of CPU" in msgs[0]
+
+
+def test_drops_under_late_pauses_name_the_delay():
+    from lab.experiments.incast import late_pauses
+    m = {"drops_packets": 16, "headroom": {"response_ms": 1.0, "measured_delivery_ms_max": 11.7}}
+    [msg] = late_pauses("pfc", m)
+    assert "16 drops" in msg and "11.7 ms" in msg and "1.0 ms" in msg
+    assert late_pauses("pfc", {**m, "drops_packets": 0}) == []
+    on_time = {"drops_packets": 3, "headroom": {"response_ms": 1.0,
+                                                "measured_delivery_ms_max": 0.8}}
+    assert late_pauses("pfc", on_time) == []       # PFC's own failure: not excused
 
 
 # --- the experiments, small -----------------------------------------------------------

@@ -295,9 +295,24 @@ def run(ctx: RunContext) -> dict:
                      f"{m['elapsed_s']:.1f} s ({m['delivered_fraction']:.0%} of the bytes)")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     out["starved"] = [w for v in p.variant_list if p.congestion(v).pfc
-                      for w in starved(v, out[v]["drops_elsewhere"])]
+                      for w in starved(v, out[v]["drops_elsewhere"])
+                      + late_pauses(v, out[v])]
     set_congestion(ctx.net, CongestionParams())
     return out
+
+
+def late_pauses(variant: str, m: dict) -> list[str]:
+    """A lossless variant's drops at the bottleneck, when pauses took longer to reach
+    their senders than the response its headroom was sized for: the machine's load
+    delayed them (the frames a sender sent meanwhile overflowed the headroom)."""
+    h = m.get("headroom") or {}
+    late = h.get("measured_delivery_ms_max")
+    if not m["drops_packets"] or late is None or late <= h.get("response_ms", late):
+        return []
+    return [f"{variant}: {m['drops_packets']} drops at the bottleneck: a pause took up to "
+            f"{late:.1f} ms to reach its sender, the headroom is sized for a "
+            f"{h['response_ms']:.1f} ms response: the machine's load delayed the pauses, "
+            f"so these drops come from the machine, not from PFC"]
 
 
 def claims(params: Params, m: dict) -> list[Claim]:

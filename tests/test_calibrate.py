@@ -44,8 +44,21 @@ def test_the_search_refines_between_the_sweeps_steps():
     assert calibrate.search((5, 10, 20), at) == 5 and tried == [5, 10, 7.1]
     tried, at = machine(100.0)
     assert calibrate.search((5, 10, 20), at) == 20 and tried == [5, 10, 20]   # all keep up
-    tried, at = machine(1.0)
-    assert calibrate.search((5, 10), at) == 0.0 and tried == [5]              # none
+    tried, at = machine(3.0)           # below the first rate: halving, then between
+    assert calibrate.search((5, 10), at) == 2.5 and tried == [5, 2.5, 3.5]
+    tried, at = machine(2.0)
+    assert calibrate.search((5, 10), at) == 1.8 and tried == [5, 2.5, 1.25, 1.8]
+    tried, at = machine(0.5)
+    assert calibrate.search((5, 10), at) == 0.0 and tried == [5, 2.5, 1.25]   # none
+
+
+def test_calibration_goodput_is_the_steady_rate():
+    t = [0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.2]       # 0.2 s getting ready
+    got = [0, 0, 100_000, 200_000, 300_000, 400_000, 500_000, 600_000, 700_000, 720_000]
+    mbps = calibrate.steady_goodput_mbps({"t": t, "delivered": got}, 720_000, 1.2)
+    assert abs(mbps - 8.0) < 0.01          # 100 KB per 0.1 s, not 720 KB in 1.2 s (4.8)
+    assert calibrate.steady_goodput_mbps({"t": [0.0], "delivered": [0]}, 720_000, 1.2) == \
+        720_000 * 8 / 1.2 / 1e6
 
 
 def test_retransmit_timers_stretch_with_the_machine_unless_given():

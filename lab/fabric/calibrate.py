@@ -71,13 +71,28 @@ def two_hosts(rate_mbps: float):
                       host_rate_mbps=rate_mbps, fabric_rate_mbps=rate_mbps)
 
 
+def steady_goodput_mbps(samples: dict, nbytes: int, completion_s: float) -> float:
+    """What the receiver took in per second between a tenth and nine tenths of the
+    flow's bytes: its steady rate, without the start (agents and QPs getting ready) and
+    the last answers, a fixed cost that a slow machine makes a fifth of a 1 s flow. The
+    whole flow's rate where the samples are too few."""
+    t, got = samples["t"], samples["delivered"]
+    lo = next((x for x, n in zip(t, got) if n >= 0.1 * nbytes), None)
+    hi = next((x for x, n in zip(t, got) if n >= 0.9 * nbytes), None)
+    if lo is None or hi is None or hi - lo <= 0:
+        return nbytes * 8 / completion_s / 1e6
+    below = lambda x: max(n for s, n in zip(t, got) if s <= x)   # noqa: E731
+    return (below(hi) - below(lo)) * 8 / (hi - lo) / 1e6
+
+
 def flow(net, transport: str, nbytes: int) -> dict:
     """One flow g0 -> g1 on a running FabricNetwork: goodput and the sender's CPU."""
     from lab.fabric.gpus import GpuAgents
     with GpuAgents(net, hosts=["g0", "g1"]) as gpus:
         [f] = gpus.transfers([("g0", "g1", nbytes)], transport)
         _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == "g0")
-    return {"goodput_mbps": nbytes * 8 / f["completion_s"] / 1e6, "intact": f["intact"],
+    goodput = steady_goodput_mbps(f["receiver_samples"], nbytes, f["completion_s"])
+    return {"goodput_mbps": goodput, "intact": f["intact"],
             "packets": f["counters"]["sent"], "cpu_s": cpu_s,
             "cpu_fraction": cpu_s / elapsed_s if elapsed_s else 1.0}
 
@@ -90,17 +105,27 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
 
 def search(rates: tuple[float, ...], keeps_up_at) -> float:
     """The highest rate at which `keeps_up_at(rate)`: up the sweep until a rate falls
-    behind, then once between it and the last that kept up (their geometric mean, to a
-    tenth of a Mb/s). The sweep's steps are 2-2.5x apart: a machine between two of them
-    would otherwise run every experiment up to that much slower than it can."""
-    best = 0.0
+    behind (if the first does, halving below it, down to a quarter of it), then once
+    between that rate and the last that kept up (their geometric mean, to a tenth of a
+    Mb/s). The sweep's steps are 2-2.5x apart: a machine between two of them would
+    otherwise run every experiment up to that much slower than it can."""
+    best, failed = 0.0, None
     for rate in rates:
         if not keeps_up_at(rate):
-            mid = round((best * rate) ** 0.5, 1)
-            if best < mid < rate and keeps_up_at(mid):
-                best = mid
+            failed = rate
             break
         best = rate
+    if failed is None:
+        return best
+    while not best and failed / 2 >= rates[0] / 4:
+        if keeps_up_at(failed / 2):
+            best = failed / 2
+        else:
+            failed /= 2
+    if best:
+        mid = round((best * failed) ** 0.5, 1)
+        if best < mid < failed and keeps_up_at(mid):
+            best = mid
     return best
 
 

@@ -49,6 +49,9 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # flows do at full rate); the run takes longer instead.
 SCALED_SIZES = ()
 
+TIMEOUT_IDEALS = 4      # a lossless variant gets this many times its ideal time to finish
+
+
 @dataclass
 class Params:
     topology: str = "leaf-spine"
@@ -190,10 +193,14 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     limited = variant == "none"
     lost0 = ovs.datapath_lost_packets()
     log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
+    # the flows take at least their bytes over the bottleneck's rate: 8 s at 10 Mb/s,
+    # 110 s on a machine calibrated to x0.07 (a fixed 120 s cut the ecn variant off there)
+    ideal_s = len(senders) * p.flow_kb * 1024 * 8 / (recv_if.rate_mbps * 1e6)
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
                            params=rc, allow_timeout=limited,
-                           timeout_s=p.none_time_limit_s if limited else 120)
+                           timeout_s=p.none_time_limit_s if limited
+                           else max(120.0, TIMEOUT_IDEALS * ideal_s))
     t1 = time.time()
     log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)

@@ -216,8 +216,9 @@ def starved(m: dict) -> list[str]:
         x = m.get(v)
         if x and x["retransmitted_packets"] and not x["switch_drops"]:
             out.append(f"{v}: {x['retransmitted_packets']} packets resent though no switch "
-                       f"dropped one ({x['timeouts']} timeouts, {x['naks']} NAKs): the GPU "
-                       f"hosts stalled (CPU), not the network")
+                       f"queue dropped one ({x['timeouts']} timeouts, {x['naks']} NAKs): "
+                       f"frames lost or late outside the switches' queues (a stalled host, "
+                       f"a kernel backlog under load), not the fabric's congestion")
     x = m.get("incast")
     if x and not x["switch_drops"]:
         out.append(f"incast: the background incast made no switch drop a frame: its senders "

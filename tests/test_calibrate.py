@@ -2,15 +2,11 @@
 scaling the experiments' defaults on a machine slower than the reference."""
 import json
 import os
-from types import SimpleNamespace
 
 from conftest import fabriclab
 from lab import runner
 from lab.core import paths
 from lab.fabric import calibrate
-from lab.fabric.gpus import GpuAgents
-from traffic.mrc import MrcParams
-from traffic.rc import RcParams
 
 
 def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
@@ -59,17 +55,6 @@ def test_calibration_goodput_is_the_steady_rate():
     assert abs(mbps - 8.0) < 0.01          # 100 KB per 0.1 s, not 720 KB in 1.2 s (4.8)
     assert calibrate.steady_goodput_mbps({"t": [0.0], "delivered": [0]}, 720_000, 1.2) == \
         720_000 * 8 / 1.2 / 1e6
-
-
-def test_retransmit_timers_stretch_with_the_machine_unless_given():
-    def params(factor, transport, given=None):
-        agents = SimpleNamespace(net=SimpleNamespace(machine_factor=factor))
-        return GpuAgents._params(agents, transport, given)
-    assert params(0.2, "mrc") == {"rto_ms": MrcParams().rto_ms / 0.2}
-    assert params(0.5, "rc", {"window_packets": 8}) == {"window_packets": 8,
-                                                          "rto_ms": RcParams().rto_ms / 0.5}
-    assert params(0.2, "rc", {"rto_ms": 70}) == {"rto_ms": 70}     # given: kept
-    assert params(1.0, "mrc") == {}                                 # the reference machine
 
 
 def test_calibrate_measures_and_the_runner_uses_it(tmp_path):

@@ -20,7 +20,7 @@ from lab.core import paths, state
 from lab.core.errors import LabError
 from lab.fabric.network import FabricNetwork
 from topologies.fabric import Fabric, Host, HostInterface
-from traffic.agent import TRANSPORTS, qpn_for
+from traffic.agent import qpn_for
 from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
 
 
@@ -173,17 +173,6 @@ class GpuAgents:
         return sorted({name for name, cpu, elapsed in self.cpu
                        if elapsed > MIN_JUDGED_S and cpu / elapsed > threshold})
 
-    def _params(self, transport: str, params: dict | None) -> dict:
-        """The transport's parameters; on a machine slower than the reference
-        (calibrate.py: machine_factor < 1) its retransmit timer stretched as the link
-        rates are, unless given: that machine's hosts stall as much longer as its links
-        are slower, and a stall past the timer resends what was not lost."""
-        params = dict(params or {})
-        factor = self.net.machine_factor
-        if factor < 1 and "rto_ms" not in params and transport in TRANSPORTS:
-            params["rto_ms"] = TRANSPORTS[transport][1]().rto_ms / factor
-        return params
-
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
                   algorithm: str = "ring", params: dict | None = None,
                   timeout_s: float = 120.0) -> CollectiveResult:
@@ -191,7 +180,7 @@ class GpuAgents:
             raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
         done = self._run({h.name: dict(collective="allreduce", op=op, transport=transport,
                                        algorithm=algorithm,
-                                       params=self._params(transport, params),
+                                       params=params or {},
                                        data=base64.b64encode(d.astype(np.float32).tobytes())
                                        .decode())
                           for h, d in zip(self.hosts, data)}, timeout_s).values()
@@ -212,7 +201,7 @@ class GpuAgents:
         None) instead of failing the call."""
         rank = {h.name: r for r, h in enumerate(self.hosts)}
         cmds = {h.name: dict(collective="transfers", transport=transport,
-                             params=self._params(transport, params), send=[], recv=[])
+                             params=params or {}, send=[], recv=[])
                 for h in self.hosts}
         for src, dst, nbytes in flows:
             offset = sum(r["bytes"] for r in cmds[dst]["recv"])

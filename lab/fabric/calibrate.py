@@ -77,12 +77,11 @@ def steady_goodput_mbps(samples: dict, nbytes: int, completion_s: float) -> floa
     the last answers, a fixed cost that a slow machine makes a fifth of a 1 s flow. The
     whole flow's rate where the samples are too few."""
     t, got = samples["t"], samples["delivered"]
-    lo = next((x for x, n in zip(t, got) if n >= 0.1 * nbytes), None)
-    hi = next((x for x, n in zip(t, got) if n >= 0.9 * nbytes), None)
-    if lo is None or hi is None or hi - lo <= 0:
+    lo = next((i for i, n in enumerate(got) if n >= 0.1 * nbytes), None)
+    hi = next((i for i, n in enumerate(got) if n >= 0.9 * nbytes), None)
+    if lo is None or hi is None or t[hi] <= t[lo]:
         return nbytes * 8 / completion_s / 1e6
-    below = lambda x: max(n for s, n in zip(t, got) if s <= x)   # noqa: E731
-    return (below(hi) - below(lo)) * 8 / (hi - lo) / 1e6
+    return (got[hi] - got[lo]) * 8 / (t[hi] - t[lo]) / 1e6
 
 
 def flow(net, transport: str, nbytes: int) -> dict:

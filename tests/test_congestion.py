@@ -156,8 +156,12 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
                                         str(DSCP_TOS[PRIORITY_ROCE_DATA]), g1.ip],
                                        stdout=subprocess.DEVNULL)
         assert " 0% packet loss" in _ping(net, "g0", "g1", 0, count=5)   # priority 0 flows
-        time.sleep(0.2)
-        gate = _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)
+        # the held pings queue up (a fixed 0.2 s was too short for a ping started in a
+        # software-CPU VM: 2 of them queued when read); if the gate leaks, they never do
+        deadline = time.monotonic() + 5
+        while (gate := _gate(nl.qdiscs(), port, PRIORITY_ROCE_DATA)).qlen < 3 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         top = fabriclab("top", "--count", "1", "--interval", "0.3")
         queue = f"{g1.switch}:{g1.port}:{PRIORITY_ROCE_DATA}"
         # telemetry's view (with the data path: the port program's pause time)

@@ -128,9 +128,10 @@ def test_a_pfc_frame_stops_one_priority_of_the_upstream_switch(tmp_path, use_dat
     `fabriclab top` shows the paused queue. With the data path the leaf port's ingress
     program signals the frame; without it (the fallback where BPF cannot run) OVS hands
     it to the controller."""
-    # 10 Mb/s links: a pause of 0xFFFF quanta lasts 3.4 s, longer than the test
-    topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=10,
-                      fabric_rate_mbps=10)
+    # 1 Mb/s links: a pause of 0xFFFF quanta lasts 33.6 s, longer than the test (at 10 Mb/s
+    # its 3.4 s ran out in the lab VM under a software CPU before `fabriclab top` had read)
+    topo = build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2, host_rate_mbps=1,
+                      fabric_rate_mbps=1)
     with FabricNetwork(topo, tmp_path,
                        use_dataplane=use_dataplane) as net:
         assert (net.dataplane is not None) == use_dataplane

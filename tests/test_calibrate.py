@@ -2,10 +2,13 @@
 scaling the experiments' defaults on a machine slower than the reference."""
 import json
 import os
+import re
+from pathlib import Path
 
 from conftest import fabriclab
 from lab import runner
 from lab.core import paths
+from lab.experiments.common import TIMEOUT_IDEALS, traffic_timeout_s
 from lab.fabric import calibrate
 
 
@@ -25,6 +28,22 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
     assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
+
+
+def test_traffic_waits_in_proportion_to_its_bytes_not_a_fixed_time():
+    """At x0.07 (a software-CPU VM) incast's 8 x 1200 KB through a 0.7 Mb/s port take
+    110 s at best: a fixed 120 s cut a run off there. Every experiment's traffic limit
+    comes from traffic_timeout_s, none is a number written in."""
+    incast = runner.load("incast")
+    p, t, _ = runner.split_settings(incast, [], machine_factor=0.07)
+    ideal_s = p.senders * p.flow_kb * 1024 * 8 / (t.host_rate_mbps * 1e6)
+    assert ideal_s > 100
+    assert traffic_timeout_s(p.senders * p.flow_kb * 1024, t.host_rate_mbps) == \
+        TIMEOUT_IDEALS * ideal_s
+    experiments = Path(runner.experiments_pkg.__path__[0])
+    fixed = [f"{f.name}: {m.group(0)}" for f in experiments.glob("*.py")
+             for m in re.finditer(r"timeout_s=\d", f.read_text())]
+    assert not fixed, fixed
 
 
 def test_the_search_refines_between_the_sweeps_steps():

@@ -12,6 +12,8 @@ from traffic.roce import WRITE_OVERHEAD_BYTES
 FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
+TIMEOUT_IDEALS = 4      # traffic gets this many times its ideal time before it is called stuck
+MIN_TIMEOUT_S = 120.0
 
 
 def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
@@ -23,6 +25,15 @@ def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
     drain_ms = net.queue_params.buffer_kb * 1024 * 8 / (rate_mbps * 1e3)
     return {"rate_scale": time_scale or time_scale_for(kmax_kb * 1024, rate_mbps * 1e6),
             "rto_ms": max(50.0, 4 * drain_ms * path_queues)}
+
+
+def traffic_timeout_s(nbytes: float, rate_mbps: float) -> float:
+    """How long to wait for traffic that puts `nbytes` through a `rate_mbps` bottleneck:
+    TIMEOUT_IDEALS times the ideal, MIN_TIMEOUT_S at least. A fixed limit that covers the
+    defaults cuts a run off on a calibrated slow machine, whose link rates shrink more
+    than its sizes (lab/fabric/calibrate.py: a fixed 120 s stopped incast's ecn variant
+    at x0.07, whose flows take 110 s at least)."""
+    return max(MIN_TIMEOUT_S, TIMEOUT_IDEALS * nbytes * 8 / (rate_mbps * 1e6))
 
 
 def rate(times: list[float], counts: list[float], since: float, until: float) -> float:

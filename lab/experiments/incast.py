@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rate, rc_params,
-                                    sender_rates, starved)
+                                    sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams, events, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
@@ -48,8 +48,6 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # x0.10 rates with flows x0.25, the senders ended 26-30% off the fair share, as 300 KB
 # flows do at full rate); the run takes longer instead.
 SCALED_SIZES = ()
-
-TIMEOUT_IDEALS = 4      # a lossless variant gets this many times its ideal time to finish
 
 
 @dataclass
@@ -193,14 +191,11 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     limited = variant == "none"
     lost0 = ovs.datapath_lost_packets()
     log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
-    # the flows take at least their bytes over the bottleneck's rate: 8 s at 10 Mb/s,
-    # 110 s on a machine calibrated to x0.07 (a fixed 120 s cut the ecn variant off there)
-    ideal_s = len(senders) * p.flow_kb * 1024 * 8 / (recv_if.rate_mbps * 1e6)
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
                            params=rc, allow_timeout=limited,
                            timeout_s=p.none_time_limit_s if limited
-                           else max(120.0, TIMEOUT_IDEALS * ideal_s))
+                           else traffic_timeout_s(len(senders) * p.flow_kb * 1024, recv_if.rate_mbps))
     t1 = time.time()
     log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)

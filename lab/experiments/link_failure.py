@@ -31,6 +31,7 @@ from lab.core.errors import LabError, UsageError
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
 from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import traffic_timeout_s
 from lab.fabric import events
 
 log = logging.getLogger(__name__)
@@ -123,10 +124,18 @@ def merged_delivery(series: list[dict]) -> dict:
     return out
 
 
+def time_limit_s(ctx: RunContext, gpus: GpuAgents) -> float:
+    """How long the workload may take: a ring all-reduce sends each GPU's vector out
+    twice, nearly (reduce-scatter, then all-gather), through one GPU's link."""
+    p = ctx.params
+    nbytes = 2 * p.allreduce_kb * 1024 if p.workload == "allreduce" else p.flow_kb * 1024
+    return traffic_timeout_s(nbytes, gpus.hosts[0].interface().rate_mbps)
+
+
 def transfer(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | None) -> dict:
     src, dst = gpus.hosts[0].name, gpus.hosts[-1].name
     [f] = gpus.transfers([(src, dst, ctx.params.flow_kb * 1024)], transport, params=params,
-                         timeout_s=120)
+                         timeout_s=time_limit_s(ctx, gpus))
     return {"delivery": f["receiver_samples"], "completion_s": f["completion_s"],
             "retransmitted_packets": f["counters"]["retransmitted"],
             "timeouts": f["counters"]["timeouts"], "evs": [f["evs"] or []],
@@ -138,7 +147,8 @@ def allreduce(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | N
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(ctx.params.allreduce_kb * 256).astype(np.float32)
              for _ in range(n)]
-    res = gpus.allreduce(grads, transport, op="mean", params=params, timeout_s=120)
+    res = gpus.allreduce(grads, transport, op="mean", params=params,
+                         timeout_s=time_limit_s(ctx, gpus))
     expected = np.mean(np.stack(grads), axis=0)
     counters = [c for per_host in res.counters for c in per_host.values()]
     per_host = [{"t": s["t"], "delivered": [sum(v) for v in zip(*s["delivered"].values())]}
@@ -168,7 +178,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
     set_link(failed, up=False)
     log.info(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
              f"{WINDOW_S:.1f} s: {load})")
-    flow.join(timeout=180)
+    flow.join(timeout=time_limit_s(ctx, gpus) + 60)   # its own limit ends it first
     rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
     t_up = time.time()
     set_link(failed, up=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
-                                    sender_rates, starved)
+                                    sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
@@ -97,7 +97,10 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     drops0 = dataplane_drops(dp, prio) if dp else {}
     before = read_state(net).get("counters", {})
     t0 = time.time()
-    res = gpus.transfers(flows, "rc", params=rc, timeout_s=120)
+    # every flow's bytes through the receiver's port: the victim's too, when pauses hold it
+    res = gpus.transfers(flows, "rc", params=rc,
+                         timeout_s=traffic_timeout_s(sum(n for *_, n in flows),
+                                                     recv_if.rate_mbps))
     t1 = time.time()
     time.sleep(SETTLE_S)
     after = read_state(net).get("counters", {})

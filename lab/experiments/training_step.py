@@ -32,7 +32,7 @@ import numpy as np
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import SwitchDrops, rc_params
+from lab.experiments.common import SwitchDrops, rc_params, traffic_timeout_s
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
 
@@ -98,6 +98,8 @@ class BackgroundIncast:
         self.gpus = GpuAgents(ctx.net, hosts=[target, *senders],
                               first_collective_id=BACKGROUND_COLLECTIVE_IDS)
         self.target, self.senders, self.rc = target, senders, rc
+        self.time_limit_s = traffic_timeout_s(len(senders) * BACKGROUND_FLOW_KB * 1024,
+                                              ctx.fabric.host(target).interface().rate_mbps)
         self.stop = threading.Event()
         self.rounds, self.error = 0, None
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -107,7 +109,7 @@ class BackgroundIncast:
             while not self.stop.is_set():
                 self.gpus.transfers([(s, self.target, BACKGROUND_FLOW_KB * 1024)
                                      for s in self.senders], "rc", params=self.rc,
-                                    timeout_s=60)
+                                    timeout_s=self.time_limit_s)
                 self.rounds += 1
         except Exception as e:   # reported in the metrics; the training loop goes on
             self.error = str(e)
@@ -120,7 +122,7 @@ class BackgroundIncast:
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        self.thread.join(timeout=90)
+        self.thread.join(timeout=self.time_limit_s + 30)   # its own limit ends it first
         self.elapsed_s = time.monotonic() - self.t0
         self.gpus.close()
 
@@ -134,12 +136,15 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
     p = ctx.params
     n = len(gpus.hosts)
     elems = p.grad_kb * 1024 // 4
+    rate_mbps = gpus.hosts[0].interface().rate_mbps
     steps = []
     drops = SwitchDrops(ctx.net, ctx.telemetry)
     for s in range(p.steps):
         time.sleep(p.compute_ms / 1000)        # every GPU computes: the network is idle
         grads = [rng.standard_normal(elems).astype(np.float32) for _ in range(n)]
-        res = gpus.allreduce(grads, transport, op="mean", params=params, timeout_s=120)
+        # a ring sends each GPU's vector out twice, nearly: reduce-scatter, all-gather
+        res = gpus.allreduce(grads, transport, op="mean", params=params,
+                             timeout_s=traffic_timeout_s(2 * p.grad_kb * 1024, rate_mbps))
         expected = np.mean(np.stack(grads), axis=0)
         ok = all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)
         comm_s = res.time_s

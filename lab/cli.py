@@ -186,17 +186,21 @@ def cmd_tour(args) -> int:
     from lab import readable, tour
     from lab.fabric import calibrate
     t0 = time.monotonic()
+    t_calibrated = 0.0
     if calibrate.load() is None:   # once per machine: the defaults must fit its speed
         from lab.core.state import RunLock
         log.info("calibrating this machine first (once; `fabriclab calibrate` redoes it)")
         with RunLock("fabriclab tour: calibrating"), console.nested():
             calibrate.save(calibrate.measure())
+        t_calibrated = time.monotonic() - t0
     out, done = tour.run(args.out, args.only)
     failed = [r for r in done if r.error]
     claims = [c for r in done for c in r.claims]
     held = sum(c["passed"] for c in claims)
     print(f"tour: {len(done) - len(failed)}/{len(done)} chapters ran, {held}/{len(claims)} "
           f"claims hold, {(time.monotonic() - t0) / 60:.1f} min")
+    print(f"  time: {tour.render_split(tour.time_split(done))}" + (
+        f", calibration {t_calibrated / 60:.1f} min" if t_calibrated else ""))
     for r in done:
         for c in r.claims:
             if not c["passed"]:

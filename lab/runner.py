@@ -177,6 +177,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
     ["auto"]: the ports the experiment finds worth it (its capture_plan), capture_mb in
     all; live: print the hottest queues every second while the experiment runs;
     use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run."""
+    t0 = time.monotonic()
     mod = load(name)
     calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
     factor = calibration.factor if calibration else 1.0
@@ -204,7 +205,6 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "started": stamp,
     }
     results.write_json_atomic(workdir / results.CONFIG_FILE, config)
-    t0 = time.monotonic()
     with Session(topo, f"fabriclab run {name}", workdir, telemetry=True,
                  queue_params=queue_params,
                  controller_runtime=controller_runtime, machine_factor=factor,

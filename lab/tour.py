@@ -130,6 +130,31 @@ def run(out: Path | None = None,
     return out, done
 
 
+def time_split(done: list[ChapterResult]) -> dict[str, float]:
+    """Where the chapters' time went, in seconds: bringing the fabrics up, the
+    experiments (traffic and the reading of it), tearing the fabrics down, writing the
+    reports. On a slow machine this says whether the time goes to traffic, whose packet
+    counts the claims need, or to the fixed costs around it. A chapter that could not
+    run counts whole as experiment."""
+    split = {"fabric_up_s": 0.0, "experiment_s": 0.0, "teardown_s": 0.0, "report_s": 0.0}
+    for r in done:
+        t = (r.result or {}).get("timings_s", {})
+        if "total_s" not in t:
+            split["experiment_s"] += r.seconds
+            continue
+        up, down = t.get("ready_s", 0.0), t.get("teardown_s", 0.0)
+        split["fabric_up_s"] += up
+        split["teardown_s"] += down
+        split["experiment_s"] += t["total_s"] - up - down
+        split["report_s"] += max(0.0, r.seconds - t["total_s"])
+    return {k: round(v, 1) for k, v in split.items()}
+
+
+def render_split(split: dict[str, float]) -> str:
+    return ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v / 60:.1f} min"
+                     for k, v in split.items())
+
+
 # --- the index -------------------------------------------------------------------------
 def _status(r: ChapterResult) -> str:
     if r.error:
@@ -141,10 +166,12 @@ def _status(r: ChapterResult) -> str:
 def write_index(out: Path, done: list[ChapterResult]) -> Path:
     total = sum(r.seconds for r in done)
     (out / "tour.json").write_text(json.dumps(
-        {"total_s": round(total, 1), "chapters": [r.as_dict() for r in done]},
+        {"total_s": round(total, 1), "time_split_s": time_split(done),
+         "chapters": [r.as_dict() for r in done]},
         indent=1, default=str))
     md = ["# The fabriclab tour", "",
-          f"{len(done)} chapters in {total / 60:.1f} min. Each links its full report.", ""]
+          f"{len(done)} chapters in {total / 60:.1f} min "
+          f"({render_split(time_split(done))}). Each links its full report.", ""]
     for i, r in enumerate(done, 1):
         md += [f"## {i}. {r.chapter.title}", "", r.chapter.story, "",
                f"`fabriclab run {r.chapter.experiment}"

@@ -81,8 +81,9 @@ def test_reachability_experiment_writes_results(tmp_path, machine_factor):
     hops = {(p["src"], p["dst"]): p["hops"] for p in m["metrics"]["pairs"]}
     assert hops[("g0", "g1")] == 1 and hops[("g0", "g2")] == 3
     cfg = json.loads((out / "config.json").read_text())
-    # the topology's default, stretched on a machine slower than the reference
-    assert cfg["rate_scale"]["factor"] == pytest.approx(1000 / machine_factor)
+    # the topology's default, stretched on a machine slower than the reference, to a
+    # whole number (the lab VM calibrated to x0.142 once: 7042, not 7042.25)
+    assert cfg["rate_scale"]["factor"] == round(1000 / machine_factor)
     assert cfg["datapath"] in ("user", "kernel")
     assert (out / "fabric.json").exists() and (out / "logs" / "controller.log").exists()
     assert not list(out.glob(".*.tmp"))

@@ -87,6 +87,11 @@ def test_the_tour_runs_its_chapters_and_links_their_reports(tmp_path):
     [chapter] = tour["chapters"]
     assert chapter["experiment"] == "allreduce" and chapter["error"] is None
     assert chapter["claims"] and all(c["passed"] for c in chapter["claims"])
+    # where the time went, in parts that add up to the chapter's time
+    split = tour["time_split_s"]
+    assert split["fabric_up_s"] > 0 and split["experiment_s"] > 0 and split["report_s"] > 0
+    assert abs(chapter["seconds"] - sum(split.values())) < 0.5, (chapter, split)
+    assert "  time: fabric up " in r.stdout
     page = (out / "index.html").read_text()
     assert "01-allreduce/report.html" in page and (out / "01-allreduce" / "report.html").exists()
     assert "0.75" in page                          # every host's result, in the claim

@@ -46,7 +46,10 @@ class Controller:
         self.log_file = self.workdir / "logs" / "controller.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 20.0) -> None:
+    def launch(self) -> None:
+        """Start the process; wait_listening() waits for its port. In between the lab
+        builds the network: the interpreter and its apps take seconds to load on a
+        software CPU (the fresh-machine VM), time the build can use."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.fabric.save(self.fabric_file)
         self.status_file.write_text("")
@@ -64,6 +67,8 @@ class Controller:
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         state.record_process(self.proc.pid, marker, "controller")
+
+    def wait_listening(self, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._check_alive()

@@ -60,6 +60,15 @@ class FabricIntf(Intf):
         return super().config(**params)
 
 
+class LabController(RemoteController):
+    """The lab's controller (lab/fabric/controller.py), which the lab waits for itself
+    before the switches start. Mininet's own check (a telnet to the port as the network
+    is built) would warn: the controller is still loading while the network is built."""
+
+    def checkListening(self) -> None:
+        pass
+
+
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
                  verbose: bool = False, controller_runtime: str = "os-ken",
@@ -104,18 +113,21 @@ class FabricNetwork:
         setLogLevel("info" if self.verbose else "warning")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.controller = Controller(self.fabric, self.workdir, self.controller_runtime)
-        self.controller.start()
+        self.controller.launch()
         log.info(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
                  f"{self.controller_runtime} controller)")
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
                          protocols="OpenFlow15", failMode="secure")
-        controller = partial(RemoteController, ip="127.0.0.1", port=self.controller.port)
+        controller = partial(LabController, ip="127.0.0.1", port=self.controller.port)
         self.mininet = Mininet(topo=self.topo, switch=switch, controller=controller,
                                link=Link, intf=FabricIntf, autoSetMacs=False,
                                autoStaticArp=False, build=False, waitConnected=False)
         self.mininet.build()
         for host in self.mininet.hosts:
             state.record_process(host.pid, f"mininet:{host.name}", "host")
+        # the switches connect as they start: the controller listens by then, or they
+        # back off (OVS waits up to 8 s between attempts)
+        self.controller.wait_listening()
         self.mininet.start()
         self.timings["build_s"] = time.monotonic() - t0
         pids = {h.name: h.pid for h in self.mininet.hosts}

@@ -426,6 +426,7 @@ class CongestionControl(app_manager.OSKenApp):
                 self.table.set_pfc(slot, prio, xoff, xon, headroom, c.pfc_alpha)
                 if not xoff:
                     self.table.clear_xoff(slot, prio)
+            self.table.set_trim(slot, PRIORITY_ROCE_DATA, c.trim_bytes, c.trim_dscp)
             self.table.set_pause_quanta(slot, c.pause_quanta)
 
     def headroom_bytes(self, port: Port, prio: int, limit: int, c: CongestionConfig) -> int:
@@ -649,19 +650,20 @@ class CongestionControl(app_manager.OSKenApp):
             self.logger.debug("PFC frame out of %s: %s", out.intf, e)
 
     def dataplane_counters(self) -> dict[tuple[str, int, int], dict]:
-        """The programs' counts of PFC frames and CE marks, per port and priority."""
+        """The programs' counts of PFC frames, CE marks and trimmed frames, per port and
+        priority."""
         out = {}
         for i, s in enumerate(self.slots):
             for prio, counts in enumerate(self.table.pfc_and_marks(i)):
                 if not any(counts):
                     continue
-                tx_pause, tx_resume, rx_pause, rx_resume, ce = counts
+                tx_pause, tx_resume, rx_pause, rx_resume, ce, trimmed = counts
                 out[(s.node, s.port, prio)] = {
                     "pause_frames_sent": tx_pause + tx_resume,
                     "pause_frames_received": rx_pause + rx_resume,
                     "xoff_frames_sent": tx_pause, "xon_frames_sent": tx_resume,
                     "xoff_frames_received": rx_pause, "xon_frames_received": rx_resume,
-                    "ce_marked_packets": ce}
+                    "ce_marked_packets": ce, "trimmed_packets": trimmed}
         return out
 
     # --- gates: this switch honouring a pause on one of its egress ports --------------

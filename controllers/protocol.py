@@ -50,6 +50,8 @@ class CongestionConfig:
     queue: dict = field(default_factory=dict)        # lab/kernel/queues.py QueueParams, as a dict
     host_pids: dict = field(default_factory=dict)    # GPU host -> a process in its namespace
     dataplane: bool = False          # the per-packet BPF data path is attached
+    trim_bytes: int = 0              # RoCE data past this backlog is trimmed (0: dropped)
+    trim_dscp: int = 0               # ...and its headers sent on with this DSCP
 
     @property
     def thresholds(self) -> dict[int, tuple[int, int]]:

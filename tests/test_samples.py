@@ -14,10 +14,12 @@ from scapy.utils import rdpcap, wrpcap
 
 from conftest import fabriclab
 from test_packets import icrc_by_spec, tshark
-from traffic.constants import (DSCP_ROCE_DATA, MAC_CONTROL_OPCODE_PAUSE, MAC_CONTROL_OPCODE_PFC,
-                               MRC_SACKX_BYTES, PSN_MODULUS, ROCE_V2_UDP_PORT, Ecn, Opcode)
-from traffic.packets import (RETH, ImmDt, MrcSack, mrc_data, mrc_sack,
-                             rc_write_packets)
+from traffic import mrc, roce
+from traffic.constants import (DSCP_ROCE_DATA, DSCP_TRIMMED, MAC_CONTROL_OPCODE_PAUSE,
+                               MAC_CONTROL_OPCODE_PFC, MRC_NACK_CODE_TRIMMED, MRC_SACKX_BYTES,
+                               PSN_MODULUS, ROCE_V2_UDP_PORT, TRIMMED_FRAME_BYTES, Ecn, Opcode)
+from traffic.packets import (RETH, ImmDt, MrcNack, MrcSack, mrc_data, mrc_nack, mrc_sack,
+                             rc_write_packets, trimmed)
 from traffic.samples import WIRESHARK_LUA, sample_frames, write_samples
 
 needs_tshark = pytest.mark.skipif(shutil.which("tshark") is None, reason="tshark not installed")
@@ -155,12 +157,63 @@ def test_lua_labels_mrc_data_but_not_rc_writes_with_immediate(tmp_path):
     assert_decodes_clean(pcap)
 
 
+# --- packet trimming --------------------------------------------------------
+
+def test_a_trimmed_packet_keeps_its_headers_and_the_receiver_knows_it():
+    data = mrc_data(bytes(range(256)) * 4, dst_qp=QP, psn=77, ev=0xD00D, va=0x7000_0400,
+                    rkey=0xBEEF, message_id=5, packets_in_message=9)
+    cut = trimmed(data)
+    wire = bytes(cut)
+    assert len(wire) == TRIMMED_FRAME_BYTES
+    assert cut[IP].tos == DSCP_TRIMMED << 2 | Ecn.ECT_0       # the ECN field is kept
+    assert cut[IP].len == TRIMMED_FRAME_BYTES - 14 and cut[UDP].len == cut[IP].len - 20
+    header = bytearray(wire[14:34])
+    header[10:12] = b"\0\0"
+    assert roce.internet_checksum(bytes(header)) == cut[IP].chksum
+    # the ports, UDP checksum (none), BTH, RETH and ImmDt as sent
+    assert wire[34:38] + wire[40:] == bytes(data)[34:38] + bytes(data)[40:TRIMMED_FRAME_BYTES]
+    p = roce.parse(wire)
+    assert p.trimmed and p.psn == 77 and p.imm == 5 << 16 | 9 and p.va == 0x7000_0400
+    assert len(p.payload) == 0
+    assert not roce.parse(bytes(data)).trimmed
+    with pytest.raises(ValueError, match="nothing to trim"):
+        trimmed(mrc_nack(1, dst_qp=QP, ev=1))
+
+
+def test_nackx_bytes_follow_the_documented_layout_and_the_transport_reads_them():
+    frame = mrc_nack(PSN_MODULUS + 12, dst_qp=QP, ev=0xD00D, ecn_echo=True)
+    wire = bytes(frame)
+    nackx = wire[14 + 20 + 8 + 12:][:4]
+    assert struct.unpack("!HBB", nackx) == (0xD00D, MRC_NACK_CODE_TRIMMED, 0x01)
+    assert Ether(wire)[MrcNack].ev == 0xD00D
+    p = roce.parse(wire, mrc.EXT_BYTES)
+    assert p.opcode == Opcode.MRC_NACK and p.psn == 12 and bytes(p.ext) == nackx
+
+
+@needs_tshark
+def test_lua_decodes_trimmed_packets_and_nacks(tmp_path):
+    data = mrc_data(bytes(1024), dst_qp=QP, psn=40, ev=0xD001, va=0, rkey=0, message_id=7,
+                    packets_in_message=4)
+    pcap = tmp_path / "trim.pcap"
+    wrpcap(str(pcap), [data, trimmed(data), mrc_nack(40, dst_qp=QP, ev=0xD001)])
+    rows = tshark_fields(pcap, [IB, "fabriclab_mrc.trimmed", "fabriclab_mrc.msg_id",
+                                "fabriclab_mrc.nack.psn", "fabriclab_mrc.nack.code",
+                                "fabriclab_mrc.nack.ev", "ip.dsfield.dscp"])
+    assert [(opcode(r), r["fabriclab_mrc.trimmed"], r["fabriclab_mrc.msg_id"],
+             r["fabriclab_mrc.nack.psn"], r["fabriclab_mrc.nack.code"],
+             r["fabriclab_mrc.nack.ev"]) for r in rows] == [
+        (DATA, "", "7", "", "", ""), (DATA, "1", "7", "", "", ""),
+        (Opcode.MRC_NACK, "", "", "40", str(MRC_NACK_CODE_TRIMMED), str(0xD001))]
+    assert int(rows[1]["ip.dsfield.dscp"]) == DSCP_TRIMMED
+    assert_decodes_clean(pcap)
+
+
 # --- the sample pcap -------------------------------------------------------
 
 EXPECTED = [(IB, op) for op in (   # per sample frame: its BTH or MAC Control opcode
     Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST,
     Opcode.RDMA_WRITE_ONLY, Opcode.ACKNOWLEDGE, Opcode.ACKNOWLEDGE, Opcode.CNP,
-    DATA, DATA, DATA, DATA, Opcode.MRC_SACK)] + [
+    DATA, DATA, DATA, DATA, Opcode.MRC_SACK, DATA, Opcode.MRC_NACK)] + [
     (MACC, MAC_CONTROL_OPCODE_PFC), (MACC, MAC_CONTROL_OPCODE_PFC), (MACC, MAC_CONTROL_OPCODE_PAUSE)]
 
 SAMPLE_FIELDS = ["frame.number", IB, MACC, "infiniband.aeth.syndrome", "udp.srcport",
@@ -168,7 +221,8 @@ SAMPLE_FIELDS = ["frame.number", IB, MACC, "infiniband.aeth.syndrome", "udp.srcp
                  "fabriclab_mrc.msg_id", "fabriclab_mrc.msg_packets",
                  "fabriclab_mrc.sack.cum_psn", "fabriclab_mrc.sack.bitmap",
                  "fabriclab_mrc.sack.ev", "fabriclab_mrc.sack.ecn_echo",
-                 "fabriclab_mrc.sack.credit_psn"]
+                 "fabriclab_mrc.sack.credit_psn", "fabriclab_mrc.trimmed",
+                 "fabriclab_mrc.nack.psn"]
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +232,11 @@ def samples_pcap(tmp_path_factory):
 
 
 def test_every_roce_sample_has_a_correct_icrc():
+    """(but the trimmed one: a switch cut its ICRC with its payload)"""
     roce = [(d, bytes(f)) for d, f in sample_frames() if BTH in f]
     assert len(roce) == sum(1 for field, _ in EXPECTED if field == IB)
+    roce = [(d, wire) for d, wire in roce if wire[15] >> 2 != DSCP_TRIMMED]
+    assert len(roce) == sum(1 for field, _ in EXPECTED if field == IB) - 1
     for description, wire in roce:
         on_wire, computed = icrc_by_spec(wire)
         assert on_wire == computed, description
@@ -202,7 +259,8 @@ def test_samples_decode_as_built(samples_pcap):
 @needs_tshark
 def test_sample_mrc_data_is_sprayed_and_labelled(samples_pcap):
     pcap, _ = samples_pcap
-    data = [r for r in tshark_fields(pcap, SAMPLE_FIELDS) if opcode(r) == DATA]
+    data = [r for r in tshark_fields(pcap, SAMPLE_FIELDS)
+            if opcode(r) == DATA and not r["fabriclab_mrc.trimmed"]]
     assert len(data) >= 4
     assert len({r["udp.srcport"] for r in data}) >= 4
     for row in data:

@@ -52,13 +52,14 @@ def test_the_table_reads_pfc_counts_and_marks_in_one_unpack():
     t = dataplane.PortTable(Memory())
     at = t._state_at(1, 3)
     for i, name in enumerate(("ce_marked", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
-                              "pfc_rx_resume")):
+                              "pfc_rx_resume", "trimmed")):
         struct.pack_into("=Q", t.mem, at + dataplane.STATE_FIELDS.index(name) * 8, 10 + i)
     struct.pack_into("=Q", t.mem, t._state_at(1, 7) + dataplane.STATE_FIELDS.index(
         "pfc_rx_resume") * 8, 99)
-    assert t.pfc_and_marks(1)[3] == (11, 12, 13, 14, 10)
-    assert t.pfc_and_marks(1)[7] == (0, 0, 0, 99, 0)
-    assert t.pfc_and_marks(1)[2] == t.pfc_and_marks(0)[3] == (0, 0, 0, 0, 0)
+    assert t.pfc_and_marks(1)[3] == (11, 12, 13, 14, 10, 15)
+    assert t.pfc_and_marks(1)[7] == (0, 0, 0, 99, 0, 0)
+    assert t.pfc_and_marks(1)[2] == t.pfc_and_marks(0)[3] == (0, 0, 0, 0, 0, 0)
+    assert t.counters(1, 3)["trimmed"] == 15
 
 
 def test_collecting_the_data_paths_history_fills_periods_without_a_frame():

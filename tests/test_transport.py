@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from traffic.constants import PSN_MODULUS
+from traffic.constants import PSN_MODULUS, TRIMMED_FRAME_BYTES
 from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
 from traffic.nic import Nic, SocketWire
 from traffic.qp import Region
@@ -362,6 +362,65 @@ def test_mrc_window_shrinks_on_ecn_echo():
     assert bytes(region.buf[:len(data)]) == data
     assert qa.ecn_echoes == qb.counters.received      # every SACK echoed the CE mark
     assert qa.cwnd < MrcParams().init_cwnd_packets / 2
+
+
+def trim_first_tx(psns):
+    """A switch trimming the first transmission of each data PSN in `psns` (its queue
+    full then): what goes on is the frame's headers, DSCP_TRIMMED."""
+    from scapy.layers.l2 import Ether
+    from traffic.packets import trimmed
+    pending = set(psns)
+
+    def mark(frame):
+        psn = psn_of(frame)
+        if psn in pending and len(frame) > TRIMMED_FRAME_BYTES:
+            pending.discard(psn)
+            return bytes(trimmed(Ether(frame)))
+        return frame
+    return mark
+
+
+@pytest.mark.parametrize("kind", ["rc", "mrc"])
+def test_a_trimmed_packet_mrc_resends_at_its_nack_rc_goes_back_n(kind):
+    """MRC: each trimmed packet is NACKed and resent at once, within a round trip and
+    never by its timer; nothing else is resent. RC has no TRIM NACK: a trimmed packet is
+    a lost one, and go-back-N resends it and all after it."""
+    trims = {10, 40, 41, 90}
+    nic_a, nic_b, qa, qb, region = pair(kind, mark=trim_first_tx(trims))
+    data = os.urandom(200 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=9)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert bytes(region.buf[:len(data)]) == data
+    assert qb.counters.trimmed_received == len(trims)
+    if kind == "mrc":
+        c = qa.counters
+        assert qb.counters.trim_nacks_sent == c.trim_nacks_received == len(trims)
+        assert c.retransmitted == c.trim_resent == len(trims) and c.timeouts == 0
+        assert 0 < c.trim_recovery_ms_max < MrcParams().rto_ms
+        assert qb.counters.duplicate == 0
+    else:
+        assert qa.counters.retransmitted > len(trims)
+
+
+def test_mrc_ignores_a_nack_for_what_arrived_meanwhile():
+    """A NACK for a packet already acknowledged (or already waiting to be resent)
+    resends nothing."""
+    _, _, qa, qb, region = pair("mrc")
+    qa.post_write(os.urandom(8 * 1024), region.base_va, 7, tag=1)
+    frames = [qa.next_frame(0.0) for _ in range(8)]
+    from scapy.layers.l2 import Ether
+    from traffic.packets import trimmed
+    [nack] = qb.on_packet(parse(bytes(trimmed(Ether(frames[3]))), EXT_BYTES), 0.01)
+    qa.on_packet(parse(nack, EXT_BYTES), 0.02)
+    qa.on_packet(parse(nack, EXT_BYTES), 0.02)            # the same NACK twice
+    assert qa.retx == [3] and qa.counters.trim_nacks_received == 2
+    qa.next_frame(0.03)
+    sacks = [s for f in frames[:3] + frames[4:] for s in qb.on_packet(parse(f, EXT_BYTES), 0.04)]
+    sacks += qb.on_timer(1.0)
+    qa.on_packet(parse(sacks[-1], EXT_BYTES), 1.0)       # all but seq 3
+    assert qa.snd_cum == 3 and list(qa.inflight) == [3]
+    qa.on_packet(parse(nack, EXT_BYTES), 1.0)             # a late copy: seq 3 in flight again
+    assert not qa.retx and qa.counters.retransmitted == 1
 
 
 # --- PFC: the host side -------------------------------------------------------------

@@ -32,9 +32,10 @@ class Opcode(IntEnum):
     RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
     ACKNOWLEDGE = 0x11
     CNP = 0x81
-    # IBA reserves 0xC0-0xFF for manufacturer-specific opcodes: the lab takes one
-    # for its SACK, so no standard RoCE stack mistakes it for one of its own.
+    # IBA reserves 0xC0-0xFF for manufacturer-specific opcodes: the lab takes two
+    # for MRC's SACK and NACK, so no standard RoCE stack mistakes them for its own.
     MRC_SACK = 0xC1
+    MRC_NACK = 0xC2
 
 
 # Transport header sizes, in bytes.
@@ -81,13 +82,29 @@ MRC_SACKX_BYTES = 16
 MRC_SACK_BITMAP_BITS = 64
 MRC_SACK_FLAG_ECN_ECHO = 0x01         # the triggering packet arrived CE-marked
 
+# NACK: a BTH with opcode MRC_NACK (PSN = the packet the receiver asks for again)
+# then the 4-byte NACKX header: EV (16, the UDP source port of the packet it answers),
+# code (8), flags (8, the SACK's ECN echo). A receiver sends one for each trimmed
+# packet (code TRIMMED): the sender resends that packet at once, without its timer.
+MRC_NACKX_BYTES = 4
+MRC_NACK_CODE_TRIMMED = 0x01
+
 # --- IP QoS ----------------------------------------------------------------
 
 DSCP_ROCE_DATA = 26        # RoCE data, ACKs and NAKs travel in this class...
 PRIORITY_ROCE_DATA = 3     # ...mapped to this lossless (PFC-protected) priority
 DSCP_CNP = 48              # congestion notifications jump the data queues...
 PRIORITY_CNP = 6           # ...on their own strict priority
-DSCP_PRIORITY = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP}  # else 0
+# A switch that trims a data packet (UET's packet trimming; MRC's TRIM NACK) rewrites
+# its DSCP to a configured value; the receiver knows a trimmed packet by it. The lab
+# picks 40 (CS5) and queues trimmed headers with the CNPs: both are small signals
+# that must not wait behind the data whose congestion they report.
+DSCP_TRIMMED = 40
+DSCP_PRIORITY = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP,
+                 DSCP_TRIMMED: PRIORITY_CNP}  # else 0
+# What a trimmed frame keeps: the headers of an MRC data packet (Ethernet, IPv4, UDP,
+# BTH, RETH, ImmDt); payload and ICRC are cut (lab/kernel/dataplane.h says the same)
+TRIMMED_FRAME_BYTES = 14 + 20 + 8 + BTH_BYTES + RETH_BYTES + IMMDT_BYTES
 
 
 class Ecn(IntEnum):

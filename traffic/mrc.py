@@ -10,8 +10,12 @@ any order, and answers each with a selective ACK (cumulative PSN + 64-bit
 bitmap, the EV it came on, an ECN echo, and a credit: how far the sender may go),
 sent back on that same EV so that the SACKs are sprayed too.
 
+A switch that trims a packet instead of dropping it (lab/kernel/dataplane.bpf.c) sends
+its headers on; the receiver answers those with a NACK naming the packet (MRC's
+TRIM NACK), and the sender resends it at once: a loss repaired in a round trip.
+
 Sender: a packet is lost once `reorder_packets` packets sent after it were
-acknowledged, or when its retransmit timer fires (the timeout follows the measured
+acknowledged, when a NACK says it was trimmed, or when its retransmit timer fires (the timeout follows the measured
 round trip: srtt + max(4 rttvar, `rto_ms`), RFC 6298's estimator with Linux's floor on
 the variation term, and `initial_rto_ms` before the first sample; samples only from
 packets sent once, as Karn's algorithm says); only lost packets are resent,
@@ -27,14 +31,16 @@ import struct
 from dataclasses import dataclass
 
 from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
-                               MRC_MESSAGE_ID_MODULUS, MRC_SACK_BITMAP_BITS,
-                               MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, Opcode)
+                               MRC_MESSAGE_ID_MODULUS, MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
+                               MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES,
+                               Opcode)
 from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import Parsed, immdt, reth
 
 _SACKX = struct.Struct("!QHBBI")
+_NACKX = struct.Struct("!HBB")
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
-EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES}     # for roce.parse
+EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES}  # roce.parse
 
 
 @dataclass
@@ -126,6 +132,7 @@ class MrcQP(QueuePair):
         # so timers and loss detection look at the front only
         self.inflight: dict[int, Inflight] = {}
         self.retx: list[int] = []
+        self.nacked: dict[int, float] = {}     # seq -> when it was sent, until it is resent
         self.tx_index = 0
         self.max_acked_tx = -1
         self.cwnd = p.init_cwnd_packets
@@ -191,6 +198,11 @@ class MrcQP(QueuePair):
             old = self.inflight.pop(seq, None)
             ev = self._pick_ev(now, avoid=old.ev if old else None)
             self.counters.retransmitted += 1
+            if seq in self.nacked:
+                self.counters.trim_resent += 1
+                self.counters.trim_recovery_ms_max = max(
+                    self.counters.trim_recovery_ms_max,
+                    round((now - self.nacked.pop(seq)) * 1e3, 3))
         else:
             seq = self.snd_nxt
             self.snd_nxt += 1
@@ -266,6 +278,7 @@ class MrcQP(QueuePair):
             f = self.inflight.pop(seq)
             if seq in self.retx:
                 self.retx.remove(seq)
+                self.nacked.pop(seq, None)
             if f.sent_at != LOST and not f.resent:
                 self._rtt_sample(now - f.sent_at, now)
             f.ev.failures = 0
@@ -290,6 +303,23 @@ class MrcQP(QueuePair):
             if f.sent_at != LOST:
                 self._lost(f, now)
 
+    def _on_nack(self, p: Parsed, now: float) -> None:
+        """A receiver got packet `p.psn` trimmed: resent at once (its timer would take an
+        RTO), and a congestion signal (a queue was full), not a sign of a bad path."""
+        ev_port, code, _flags = _NACKX.unpack_from(p.ext)
+        self.counters.trim_nacks_received += 1
+        seq = self.snd_cum + psn_delta(p.psn, self.snd_cum)
+        f = self.inflight.get(seq)
+        # nothing to do if it was acknowledged since, waits to be resent, or was resent
+        # already (a resend takes another EV: this NACK is about an earlier sending)
+        if code != MRC_NACK_CODE_TRIMMED or f is None or f.sent_at == LOST \
+                or f.ev.port != ev_port:
+            return
+        self.nacked[seq] = f.sent_at
+        self.retx.append(seq)
+        f.sent_at = LOST
+        self._decrease(now)
+
     def _rtt_sample(self, rtt: float, now: float) -> None:
         self.base_rtt = rtt if self.base_rtt is None else min(self.base_rtt, rtt)
         if self.srtt is None:
@@ -306,8 +336,13 @@ class MrcQP(QueuePair):
         if p.opcode == Opcode.MRC_SACK:
             self._on_sack(p, now)
             return []
+        if p.opcode == Opcode.MRC_NACK:
+            self._on_nack(p, now)
+            return []
         if p.opcode != Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE or p.imm is None:
             raise ValueError(f"opcode {p.opcode:#x} is not MRC data")
+        if p.trimmed:
+            return self._on_trimmed(p)
         self.counters.received += 1
         self.counters.ecn_marked += p.ce
         seq = self.rcv_cum + psn_delta(p.psn, self.rcv_cum)
@@ -339,6 +374,19 @@ class MrcQP(QueuePair):
             self.unsacked_sport = p.sport
             return []
         return [self._sack(p.sport, p.ce, now)]
+
+    def _on_trimmed(self, p: Parsed) -> list[bytes]:
+        """A data packet a switch trimmed: its headers say which one; ask for it again
+        (unless it has arrived whole meanwhile: a trimmed copy of a resend)."""
+        self.counters.trimmed_received += 1
+        seq = self.rcv_cum + psn_delta(p.psn, self.rcv_cum)
+        if seq < self.rcv_cum or seq in self.rcv_seen:
+            return []
+        self.counters.trim_nacks_sent += 1
+        # on the EV it came on, like a SACK; echoing its CE mark
+        return [self.ctrl_framer.frame(p.sport, Opcode.MRC_NACK, self.remote_qpn, p.psn,
+                                       ext=_NACKX.pack(p.sport, MRC_NACK_CODE_TRIMMED,
+                                                       MRC_SACK_FLAG_ECN_ECHO if p.ce else 0))]
 
     def _sack(self, sport: int, ce: bool, now: float) -> bytes:
         """Answer everything received so far, on the EV `sport` (that of the packet

@@ -25,12 +25,13 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw, bind_bottom_up
 
-from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA,
+from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA, DSCP_TRIMMED,
                                MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, MRC_IMM_COUNT_BITS,
                                MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
-                               MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, PAUSE_QUANTA_MAX,
-                               PAYLOAD_ALIGN_BYTES, PFC_PRIORITY_COUNT, PSN_MODULUS,
-                               ROCE_V2_UDP_PORT, AethSyndrome, Ecn, Opcode)
+                               MRC_NACK_CODE_TRIMMED, MRC_SACK_BITMAP_BITS,
+                               MRC_SACK_FLAG_ECN_ECHO, PAUSE_QUANTA_MAX, PAYLOAD_ALIGN_BYTES,
+                               PFC_PRIORITY_COUNT, PSN_MODULUS, ROCE_V2_UDP_PORT,
+                               TRIMMED_FRAME_BYTES, AethSyndrome, Ecn, Opcode)
 
 
 class ImmDt(Packet):
@@ -200,6 +201,12 @@ def pause_8023x(quanta: int, *, src_mac: str = DEFAULT_ENDPOINTS.src_mac) -> Pac
 #   / BTH (opcode 0xC1, dqpn = the data sender's QP, psn = cumulative ACK)
 #   / SACKX (16 bytes, below) / ICRC
 # The ICRC covers the SACKX like any header after the BTH.
+#
+# Trimmed data: what a switch that trims (instead of dropping) forwards of a data
+# packet: its first 74 bytes (Ether to ImmDt), DSCP rewritten to 40, IPv4 and UDP
+# lengths to match; no payload, no ICRC.
+# NACK: as a SACK, with opcode 0xC2, psn = the trimmed packet's, then NACKX (4 bytes:
+# EV, code 1 = trimmed, flags) / ICRC: the receiver asks for that one packet again.
 
 
 class MrcSack(Packet):
@@ -289,3 +296,46 @@ def mrc_sack(cum_psn: int, *, dst_qp: int, ev: int, credit_psn: int,
             / BTH(opcode=Opcode.MRC_SACK, dqpn=dst_qp, psn=cum_psn % PSN_MODULUS)
             / MrcSack(bitmap=bitmap, ev=ev, flags=MRC_SACK_FLAG_ECN_ECHO if ecn_echo else 0,
                       credit_psn=credit_psn % PSN_MODULUS))
+
+
+class MrcNack(Packet):
+    """NACKX: which packet the receiver asks for again (the BTH PSN), and why.
+
+    Byte layout, big-endian:
+      0-1    ev      UDP source port of the packet this NACK answers
+      2      code    1: it arrived trimmed
+      3      flags   bit 0: ECN echo, as in the SACKX
+    """
+    name = "MRC NACKX"
+    fields_desc = [
+        ShortField("ev", 0),
+        ByteField("code", MRC_NACK_CODE_TRIMMED),
+        FlagsField("flags", 0, 8, {MRC_SACK_FLAG_ECN_ECHO: "ECN_ECHO"}),
+    ]
+
+
+bind_bottom_up(BTH, MrcNack, opcode=Opcode.MRC_NACK)
+
+
+def mrc_nack(psn: int, *, dst_qp: int, ev: int, ecn_echo: bool = False,
+             endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """MRC NACK to the sender of QP `dst_qp`: packet `psn` arrived trimmed, resend it.
+    Sent back on the EV `ev` it came on, like a SACK."""
+    return (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.NOT_ECT)
+            / BTH(opcode=Opcode.MRC_NACK, dqpn=dst_qp, psn=psn % PSN_MODULUS)
+            / MrcNack(ev=ev, code=MRC_NACK_CODE_TRIMMED,
+                      flags=MRC_SACK_FLAG_ECN_ECHO if ecn_echo else 0))
+
+
+def trimmed(frame: Packet) -> Packet:
+    """What a trimming switch forwards of RoCE data `frame`: its headers (the first
+    TRIMMED_FRAME_BYTES), with DSCP_TRIMMED and lengths and checksum that match."""
+    raw = bytes(frame)
+    if len(raw) <= TRIMMED_FRAME_BYTES:
+        raise ValueError(f"a frame of {len(raw)} bytes has nothing to trim")
+    cut = Ether(raw[:TRIMMED_FRAME_BYTES])
+    ip = cut[IP]
+    ip.tos = DSCP_TRIMMED << 2 | ip.tos & 0b11
+    ip.len, ip.chksum = TRIMMED_FRAME_BYTES - 14, None
+    cut[UDP].len = TRIMMED_FRAME_BYTES - 14 - 20
+    return Ether(bytes(cut))

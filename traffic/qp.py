@@ -42,6 +42,12 @@ class Counters:
     cnps_sent: int = 0
     cnps_received: int = 0
     bytes_delivered: int = 0
+    trimmed_received: int = 0       # packets that arrived trimmed (headers only)
+    trim_nacks_sent: int = 0        # ...each answered with a NACK (MRC)
+    trim_nacks_received: int = 0
+    trim_resent: int = 0            # packets resent because a NACK asked for them
+    trim_recovery_ms_max: float = 0.0   # the longest from a trimmed packet's sending to
+                                        # its resending
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -149,6 +149,9 @@ class RcQP(QueuePair):
                 self.rp.on_cnp(now)
                 self.rate_bps = self.rp.rc
             return []
+        if p.trimmed:       # RC has no TRIM NACK: a trimmed packet is a lost one (go-back-N)
+            self.counters.trimmed_received += 1
+            return []
         self.counters.received += 1
         self.counters.ecn_marked += p.ce
         out = self._cnp(now) if self.np and self.np.should_notify(p.ce, now) else []

@@ -11,8 +11,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from traffic.constants import (AETH_BYTES, BTH_BYTES, ICRC_BYTES, IMMDT_BYTES, PSN_MODULUS,
-                               RETH_BYTES, ROCE_V2_UDP_PORT, Opcode)
+from traffic.constants import (AETH_BYTES, BTH_BYTES, DSCP_TRIMMED, ICRC_BYTES, IMMDT_BYTES,
+                               PSN_MODULUS, RETH_BYTES, ROCE_V2_UDP_PORT, Opcode)
 
 ETH_BYTES, IPV4_BYTES, UDP_BYTES = 14, 20, 8
 # what a full RDMA WRITE MIDDLE adds to its payload on the wire: the frame of an MTU
@@ -159,6 +159,7 @@ class Parsed:
     imm: int | None = None
     syndrome: int | None = None
     msn: int | None = None
+    trimmed: bool = False  # a switch cut it to its headers (its DSCP says so): no payload
 
 
 class Malformed(ValueError):
@@ -177,18 +178,23 @@ def parse(frame: bytes, ext_bytes: dict[int, int] | None = None) -> Parsed | Non
     if dport != ROCE_V2_UDP_PORT:
         return None
     end = ETH_BYTES + IPV4_BYTES + udp_len   # Ethernet padding excluded
-    if udp_len < UDP_BYTES + BTH_BYTES + ICRC_BYTES or end > len(frame):
+    # a trimmed packet kept its headers only: its ICRC was cut with its payload
+    trimmed = frame[15] >> 2 == DSCP_TRIMMED
+    icrc_bytes = 0 if trimmed else ICRC_BYTES
+    if udp_len < UDP_BYTES + BTH_BYTES + icrc_bytes or end > len(frame):
         raise Malformed("truncated")
     mv = memoryview(frame)
-    want = _ICRC.unpack_from(frame, end - ICRC_BYTES)[0]
-    if icrc(frame[ETH_BYTES:BTH_OFFSET + BTH_BYTES], mv[BTH_OFFSET + BTH_BYTES:end - ICRC_BYTES]) != want:
+    if not trimmed and icrc(frame[ETH_BYTES:BTH_OFFSET + BTH_BYTES],
+                            mv[BTH_OFFSET + BTH_BYTES:end - ICRC_BYTES]) != \
+            _ICRC.unpack_from(frame, end - ICRC_BYTES)[0]:
         raise Malformed("bad ICRC")
     opcode, flags, _, word1, word2 = _BTH.unpack_from(frame, BTH_OFFSET)
     pos = BTH_OFFSET + BTH_BYTES
     p = Parsed(opcode=opcode, dqpn=word1 & 0xFFFFFF, psn=word2 & 0xFFFFFF,
                ackreq=bool(word2 >> 31), becn=bool(word1 >> 30 & 1),
                ce=(frame[15] & 0b11) == 0b11, sport=sport,
-               src_ip=socket.inet_ntoa(frame[26:30]), ext=mv[pos:pos], payload=mv[pos:pos])
+               src_ip=socket.inet_ntoa(frame[26:30]), ext=mv[pos:pos], payload=mv[pos:pos],
+               trimmed=trimmed)
     ext_len = 0
     if opcode in HAS_RETH:
         p.va, p.rkey, p.dma_len = _RETH.unpack_from(frame, pos)
@@ -202,10 +208,10 @@ def parse(frame: bytes, ext_bytes: dict[int, int] | None = None) -> Parsed | Non
         ext_len += AETH_BYTES
     if ext_bytes and opcode in ext_bytes:
         ext_len += ext_bytes[opcode]
-    pad = flags >> 4 & 0b11
-    pay_end = end - ICRC_BYTES - pad
+    pad = 0 if trimmed else flags >> 4 & 0b11
+    pay_end = end - icrc_bytes - pad
     if pos + ext_len > pay_end:
         raise Malformed("headers longer than the packet")
     p.ext = mv[pos:pos + ext_len]
-    p.payload = mv[pos + ext_len:pay_end]
+    p.payload = mv[pos + ext_len:pos + ext_len] if trimmed else mv[pos + ext_len:pay_end]
     return p

@@ -6,8 +6,9 @@ PFC and PAUSE frames by itself; WIRESHARK_LUA adds the lab's MRC convention.
 The frames tell a short story between GPU hosts g0 (10.1.0.1) and g1 (10.1.1.1):
 an RC RDMA WRITE of three packets and one of a single packet, their ACK, a NAK, a
 CNP; an MRC message of four packets, each sprayed on its own entropy value, and the
-SACK reporting that the second was lost; then g1 pausing and resuming the data
-priority with PFC, and pausing the whole link with 802.3x.
+SACK reporting that the second was lost; the second resent on another EV, trimmed by
+a switch whose queue was full, and g1's NACK asking for it again; then g1 pausing
+and resuming the data priority with PFC, and pausing the whole link with 802.3x.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from scapy.packet import Packet
 from scapy.utils import wrpcap
 
 from traffic.constants import DEFAULT_MTU_BYTES, PAUSE_QUANTA_MAX, PRIORITY_ROCE_DATA
-from traffic.packets import (Endpoints, ack, cnp, mrc_data, mrc_sack, nak_seq_error,
-                             pause_8023x, pfc_pause, pfc_resume, rc_write_packets)
+from traffic.packets import (Endpoints, ack, cnp, mrc_data, mrc_nack, mrc_sack, nak_seq_error,
+                             pause_8023x, pfc_pause, pfc_resume, rc_write_packets, trimmed)
 
 WIRESHARK_LUA = Path(__file__).resolve().parent / "wireshark" / "fabriclab_mrc.lua"
 
@@ -81,6 +82,15 @@ def _mrc_frames() -> list[tuple[str, Packet]]:
                     ecn_echo=True, credit_psn=credit_psn, endpoints=_MRC_G1)
     frames.append((f"MRC SACK: every PSN before {cum_psn} arrived, and {sacked[0]}, {sacked[1]}; "
                    f"ECN echo; credit up to PSN {credit_psn}", sack))
+    # g0 resends the lost packet on another EV; a full queue on the way trims it
+    ev = _MRC_EVS[0]
+    resent = mrc_data(_message(_MTU), dst_qp=_MRC_QP_G1, psn=cum_psn, ev=ev,
+                      va=_REGION_VA + _MTU, rkey=_RKEY, message_id=message_id,
+                      packets_in_message=count, endpoints=_MRC_G0)
+    frames.append((f"MRC data PSN {cum_psn} resent on EV {ev}, trimmed by a switch: its "
+                   f"headers only, DSCP 40", trimmed(resent)))
+    frames.append((f"MRC NACK: PSN {cum_psn} arrived trimmed, resend it",
+                   mrc_nack(cum_psn, dst_qp=_MRC_QP_G0, ev=ev, endpoints=_MRC_G1)))
     return frames
 
 

@@ -18,6 +18,7 @@ from lab.core import state
 from lab.core.errors import LabError, UsageError
 from lab.kernel import queues
 from topologies.fabric import Fabric, interface_name
+from traffic.constants import DSCP_TRIMMED, Opcode
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 PCAP_RECORD_BYTES = 16          # a pcap record's header
@@ -37,6 +38,8 @@ FILTERS = {
     "PFC XON, priority 3": "macc.opcode == 0x0101 && macc.cbfc.pause_time.c3 == 0",
     "RoCE NAKs": "infiniband.aeth.syndrome >= 0x60 && infiniband.aeth.syndrome < 0x80",
     "RoCE data frames": "udp.dstport == 4791 && infiniband.bth.opcode < 64",
+    "trimmed headers": f"udp.dstport == 4791 && ip.dsfield.dscp == {DSCP_TRIMMED}",
+    "MRC NACKs": f"infiniband.bth.opcode == {Opcode.MRC_NACK:#x}",
 }
 # a pcap-filter keeping all but the unmarked RoCE data frames (DSCP 26, ECN not CE): what
 # shows marks, CNPs, ACKs/NAKs and pauses in a fraction of the bytes

@@ -27,6 +27,12 @@ the sampling period is. Without the data path (the controller samples the queues
 that feeds it: 56 KB above XOFF at 8 KB held what 8 senders resuming together
 sent before the pause held (40-58 KB), and 14 KB overflowed now and then.
 
+Packet trimming (`trim`, the BPF data path only): a RoCE data frame that would take its
+switch queue past `trim_kb` (0: the buffer, so trimming replaces the drops) is cut to
+its headers and sent on with DSCP DSCP_TRIMMED (traffic/constants.py: the fabric's one
+value, which receivers know trimmed headers by), in the CNPs' strict-priority class;
+an MRC receiver answers it with a NACK and the sender resends that packet at once.
+
 PFC protects the priorities listed in `lossless` ("3": RoCE data), each with its own
 XOFF/XON: "3,0:12/6" makes priority 0 lossless too, pausing at 12 KB and resuming at
 6 KB of its class's backlog (a priority without its own pair uses xoff_kb/xon_kb).
@@ -43,7 +49,7 @@ from lab.core.errors import LabError, UsageError
 from lab.fabric import doctor
 from lab.fabric import events as lab_events
 from lab.kernel import queues
-from traffic.constants import PRIORITY_ROCE_DATA
+from traffic.constants import DSCP_TRIMMED, PRIORITY_ROCE_DATA
 
 ECN_MODES = ("auto", "red", "bpf", "controller", "off")
 # The controller's sampling period on the reference machine. On a slower one the runner
@@ -74,6 +80,8 @@ class CongestionParams:
     sample_ms: float = 0.0      # how often the controller reads the queues; 0: auto,
     # REFERENCE_SAMPLE_MS stretched on a machine slower than the reference (see it above)
     watchdog_ms: float = 500.0  # report a queue paused longer than this
+    trim: bool = False          # trim RoCE data instead of dropping it (the data path)
+    trim_kb: float = 0.0        # ...past this backlog; 0: the RoCE buffer
 
     def thresholds_kb(self) -> dict[int, tuple[float, float]]:
         """Lossless priority -> (XOFF, XON) in KB, from `lossless`."""
@@ -110,6 +118,15 @@ class CongestionParams:
             raise UsageError("pfc_response_ms must be positive (or 0: the machine's default)")
         if not 0 < self.pfc_alpha <= 64:
             raise UsageError(f"pfc_alpha must be in (0, 64], got {self.pfc_alpha}")
+        if not 0 <= self.trim_kb <= q.buffer_kb:
+            raise UsageError(f"trim_kb must be in [0, buffer_kb ({q.buffer_kb})] (0: the "
+                             f"buffer), got {self.trim_kb}")
+
+    def trim_bytes(self, q: queues.QueueParams) -> int:
+        """Where trimming starts (0: off)."""
+        if not self.trim:
+            return 0
+        return int(self.trim_kb * 1024) or q.buffer_bytes(PRIORITY_ROCE_DATA)
 
     def sample_period_ms(self, machine_factor: float) -> float:
         return self.sample_ms or REFERENCE_SAMPLE_MS / machine_factor
@@ -153,6 +170,9 @@ def set_red(net, red: queues.RedParams | None) -> None:
 def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> str:
     """Apply ECN and PFC settings to the running fabric; returns the ECN mode in use."""
     params.validate(net.queue_params)
+    if params.trim and net.dataplane is None:
+        raise LabError("packet trimming needs the lab's BPF data path, which is not running "
+                       "(fabriclab doctor says why); without it the queues can only drop")
     mode = resolve_ecn(params.ecn, net.dataplane is not None)
     want_red = params.red() if mode == "red" else None
     if want_red != net.queue_params.red:
@@ -169,7 +189,8 @@ def set_congestion(net, params: CongestionParams, timeout_s: float = 10.0) -> st
         pfc_response_ms=params.response_ms(net.machine_factor), pfc_alpha=params.pfc_alpha,
         watchdog_ms=params.watchdog_ms, queue=dataclasses.asdict(net.queue_params),
         host_pids={h.name: net.host_pid(h.name) for h in net.fabric.hosts},
-        dataplane=net.dataplane is not None).write(net.controller.workdir)
+        dataplane=net.dataplane is not None, trim_bytes=params.trim_bytes(net.queue_params),
+        trim_dscp=DSCP_TRIMMED).write(net.controller.workdir)
     deadline = time.monotonic() + timeout_s
     while protocol.read_state(net.controller.workdir).get("version") != version:
         if time.monotonic() > deadline:

@@ -38,6 +38,8 @@
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
+#include <linux/in.h>
+#include <linux/udp.h>
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
@@ -448,6 +450,44 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 	}
 }
 
+/* A RoCE v2 frame (UDP to 4791) longer than its trimmed self: one packet trimming may cut. */
+static __always_inline int trimmable(struct __sk_buff *skb, struct iphdr *ip)
+{
+	void *end = (void *)(long)skb->data_end;
+	struct udphdr *udp = (void *)(ip + 1);
+
+	if (ip->ihl != 5 || ip->protocol != IPPROTO_UDP || (void *)(udp + 1) > end)
+		return 0;
+	return udp->dest == bpf_htons(ROCE_V2_PORT) && skb->len > TRIMMED_FRAME_BYTES;
+}
+
+/* Packet trimming (UET's, MRC's TRIM NACK): instead of dropping a frame its queue has
+ * no room for, the port cuts it to its headers and sends those on in the queue of
+ * `dscp`, so the receiver learns at once which packet was lost and asks for it again
+ * (traffic/mrc.py). The IPv4 length and checksum follow the cut; RoCE sends no UDP
+ * checksum, so the UDP length is all its header needs; the ICRC goes with the payload
+ * (the DSCP tells the receiver not to look for it). */
+static __always_inline int trim(struct __sk_buff *skb, struct iphdr *ip, __u32 dscp)
+{
+	__u16 old_word = *(__u16 *)ip, old_len = ip->tot_len;
+	__u8 tos = (__u8)(dscp << 2) | (ip->tos & 3);
+	__u16 new_word = bpf_htons((bpf_ntohs(old_word) & 0xff00) | tos);
+	__u16 new_len = bpf_htons(TRIMMED_FRAME_BYTES - ETH_HLEN);
+	__u16 udp_len = bpf_htons(TRIMMED_FRAME_BYTES - ETH_HLEN - sizeof(struct iphdr));
+	__u32 csum = ETH_HLEN + __builtin_offsetof(struct iphdr, check);
+
+	/* (the helpers void the packet pointers: every value read above) */
+	if (bpf_l3_csum_replace(skb, csum, old_word, new_word, 2) ||
+	    bpf_l3_csum_replace(skb, csum, old_len, new_len, 2) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + __builtin_offsetof(struct iphdr, tos), &tos, 1, 0) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + __builtin_offsetof(struct iphdr, tot_len),
+				&new_len, 2, 0) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(struct iphdr)
+				+ __builtin_offsetof(struct udphdr, len), &udp_len, 2, 0))
+		return -1;
+	return bpf_skb_change_tail(skb, TRIMMED_FRAME_BYTES, 0);
+}
+
 SEC("tc/egress")
 int port_egress(struct __sk_buff *skb)
 {
@@ -473,6 +513,18 @@ int port_egress(struct __sk_buff *skb)
 	q = &p->q[prio & (PRIOS - 1)];
 	backlog = backlog_of(q);
 	now = bpf_ktime_get_ns();
+	if (ip && p->cfg[prio & (PRIOS - 1)].trim_bytes &&
+	    backlog + len > p->cfg[prio & (PRIOS - 1)].trim_bytes && trimmable(skb, ip)) {
+		__sync_fetch_and_add(&q->trimmed, 1);
+		note(p, prio, now);
+		if (trim(skb, ip, p->cfg[prio & (PRIOS - 1)].trim_dscp & 63))
+			return TC_ACT_SHOT;
+		/* Sent again through this port: the kernel took the frame's length for
+		 * its queues before this hook, and would charge the headers as the whole
+		 * frame (in the class's byte limit and on the link). On the second pass
+		 * they are a frame like any other, queued where their DSCP puts them. */
+		return bpf_redirect(skb->ifindex, 0);
+	}
 	if (p->cfg[prio & (PRIOS - 1)].limit_bytes &&
 	    backlog + len > p->cfg[prio & (PRIOS - 1)].limit_bytes) {
 		__sync_fetch_and_add(&q->drop_packets, 1);

@@ -24,6 +24,10 @@
 #define PFC_MARK_XOFF 0x100
 #define HTB_DIRECT 0x10000      /* skb->priority 1:0: past queues.py's classes, unshaped */
 #define ORIGIN_L4_BYTES 20      /* UDP + RoCE's BTH (opcode, QP, PSN); TCP's header */
+#define ROCE_V2_PORT 4791
+/* A trimmed frame: the headers of an MRC data packet (Ethernet, IPv4, UDP, BTH, RETH,
+ * ImmDt), its payload and ICRC cut off (traffic/constants.py's TRIMMED_FRAME_BYTES) */
+#define TRIMMED_FRAME_BYTES 74
 
 /* lab/kernel/dataplane.py declares the same layouts (PORT, EVENT): change both together */
 struct prio_cfg {
@@ -34,6 +38,9 @@ struct prio_cfg {
 				 * stops this priority itself when a pause arrives: no gate */
 	__u32 headroom_bytes;   /* of limit_bytes, kept for what arrives after pauses */
 	__u32 alpha_q8;         /* the dynamic threshold's alpha x 256 */
+	__u32 trim_bytes;       /* 0: a frame that does not fit is dropped; else a RoCE frame
+				 * that would take the backlog past this is trimmed */
+	__u32 trim_dscp;        /* ...to its headers, with this DSCP (which picks its queue) */
 };
 
 struct prio_state {
@@ -61,6 +68,7 @@ struct prio_state {
 	__u64 held_out_bytes;   /* ...and left their queue */
 	__u64 held_adjust;      /* bytes user space found charged to this port and gone */
 	__u64 unattributed;     /* lossless frames queued here whose ingress is unknown */
+	__u64 trimmed;          /* frames of this priority trimmed here (queued in trim_dscp's) */
 	__u32 xoff;             /* 1 while XOFF is decided for this port as an ingress */
 	__s32 red_count;        /* RED: packets since the last mark (-1: outside Kmin..Kmax) */
 	__u32 wire_xoff;        /* 1 if the last PFC frame this port sent paused this priority */
@@ -117,7 +125,7 @@ struct origin {
 	__u32 prio;
 };
 
-_Static_assert(sizeof(struct port) == 1968, "lab/kernel/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct port) == 2096, "lab/kernel/dataplane.py's PORT_BYTES");
 _Static_assert(sizeof(struct event) == 56, "lab/kernel/dataplane.py's EVENT");
 _Static_assert(sizeof(struct origin_key) == 36, "lab/kernel/dataplane.py's ORIGIN_KEY_BYTES");
 _Static_assert(sizeof(struct origin) == 16, "lab/kernel/dataplane.py's ORIGIN_BYTES");

@@ -73,24 +73,26 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 _HEAD = struct.Struct("=8I64s6sHII")
 HEAD_QUANTUM, HEAD_IFINDEX, HEAD_DSCP, HEAD_MAC, HEAD_PAUSE_QUANTA = 6, 7, 8, 9, 10
 HEAD_HISTORY, HEAD_LOOK_NS = 11, 12
-# limit, xoff, xon, nic_honours, headroom, alpha_q8
-_CFG = struct.Struct("=6I")
+# limit, xoff, xon, nic_honours, headroom, alpha_q8, trim_bytes, trim_dscp
+_CFG = struct.Struct("=8I")
+CFG_FIELDS = ("limit", "xoff", "xon", "nic", "headroom", "alpha_q8", "trim_bytes", "trim_dscp")
 CFG_NIC = 3
-_STATE = struct.Struct("=24QIiII")
+_STATE = struct.Struct("=25QIiII")
 STATE_FIELDS = ("in_bytes", "out_bytes", "in_packets", "out_packets", "drop_packets",
                 "drop_bytes", "ce_marked", "avg_scaled", "idle_since_ns", "xoff_signals",
                 "xon_signals", "pfc_tx_pause", "pfc_tx_resume", "pfc_rx_pause",
                 "pfc_rx_resume", "rx_packets", "rx_bytes", "red_r", "out_adjust",
                 "paused_until_ns", "held_in_bytes", "held_out_bytes", "held_adjust",
-                "unattributed", "xoff", "red_count", "wire_xoff", "pad")
+                "unattributed", "trimmed", "xoff", "red_count", "wire_xoff", "pad")
 PORT_BYTES = _HEAD.size + PRIOS * _CFG.size + PRIOS * _STATE.size
 OUT_ADJUST_AT = STATE_FIELDS.index("out_adjust") * 8
 HELD_ADJUST_AT = STATE_FIELDS.index("held_adjust") * 8
 HELD_AT = STATE_FIELDS.index("held_in_bytes") * 8
-# ce_marked, then pfc_tx_pause .. pfc_rx_resume
-# a port's CE marks and PFC frames (sent pausing, resuming, received ...), every priority
+# a port's CE marks, PFC frames (sent pausing, resuming, received ...) and trimmed
+# frames, every priority: ce_marked, then pfc_tx_pause .. pfc_rx_resume, then trimmed
 _ONE_PRIO = (f"{STATE_FIELDS.index('ce_marked') * 8}xQ"
-             f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q")
+             f"{(STATE_FIELDS.index('pfc_tx_pause') - 7) * 8}x4Q"
+             f"{(STATE_FIELDS.index('trimmed') - 15) * 8}xQ")
 _PFC_AND_MARKS = struct.Struct("=" + "".join(
     f"{_ONE_PRIO}{_STATE.size - struct.calcsize('=' + _ONE_PRIO)}x" for _ in range(PRIOS)))
 DECIDED_AT = STATE_FIELDS.index("xoff_signals") * 8       # then xon_signals
@@ -244,8 +246,7 @@ class PortTable:
     # configuration (user space writes, the programs read)
     def _cfg(self, slot: int, prio: int, **change) -> None:
         off = self._at(slot) + CFG_AT + prio * _CFG.size
-        cfg = dict(zip(("limit", "xoff", "xon", "nic", "headroom", "alpha_q8"),
-                       _CFG.unpack_from(self.mem, off)))
+        cfg = dict(zip(CFG_FIELDS, _CFG.unpack_from(self.mem, off)))
         cfg.update(change)
         _CFG.pack_into(self.mem, off, *cfg.values())
 
@@ -310,6 +311,12 @@ class PortTable:
         self._cfg(slot, prio, xoff=xoff_bytes, xon=xon_bytes, headroom=headroom_bytes,
                   alpha_q8=round(alpha * 256))
 
+    def set_trim(self, slot: int, prio: int, trim_bytes: int, dscp: int) -> None:
+        """Packet trimming on this port's `prio` queue: a RoCE frame that would take its
+        backlog past `trim_bytes` is cut to its headers and queued with `dscp` (its
+        queue: the DSCP's priority) instead of being dropped; 0: no trimming."""
+        self._cfg(slot, prio, trim_bytes=trim_bytes, trim_dscp=dscp)
+
     def set_nic_honours(self, slot: int, prio: int, on: bool) -> None:
         """Whether the NIC at this link end stops `prio` itself when a pause arrives (a
         GPU agent's transport: traffic/nic.py): then nobody closes a gate for it."""
@@ -364,12 +371,12 @@ class PortTable:
         out["avg_bytes"] = out["avg_scaled"] >> AVG_SHIFT
         return out
 
-    def pfc_and_marks(self, slot: int) -> list[tuple[int, int, int, int, int]]:
+    def pfc_and_marks(self, slot: int) -> list[tuple[int, int, int, int, int, int]]:
         """Per priority: (PFC frames sent pausing, sent resuming, received pausing,
-        received resuming, CE marks): what the controller reports of every port ten
-        times a second, in one unpack per port."""
+        received resuming, CE marks, frames trimmed): what the controller reports of
+        every port four times a second, in one unpack per port."""
         v = _PFC_AND_MARKS.unpack_from(self.mem, self._state_at(slot, 0))
-        return [(*v[i + 1:i + 5], v[i]) for i in range(0, len(v), 5)]
+        return [(*v[i + 1:i + 5], v[i], v[i + 5]) for i in range(0, len(v), 6)]
 
     def queues(self, slots: np.ndarray, prios: np.ndarray, now_ns: int) -> np.ndarray:
         """What telemetry reads of many queues at once (~30 every 5 ms: one object per
@@ -605,7 +612,8 @@ class Dataplane:
             if s.node == switch:
                 c = self.table.counters(i, prio)
                 entered += c["rx_packets"]
-                left += c["in_packets"] + c["drop_packets"]
+                # (a frame trimmed here queued in another priority: it left this one)
+                left += c["in_packets"] + c["drop_packets"] + c["trimmed"]
         return entered - left
 
     def close(self) -> None:

@@ -9,14 +9,24 @@
 -- "Unknown" with the rest as vendor data. This is therefore a postdissector: it
 -- runs after InfiniBand, reads that dissector's fields, and adds
 --   * on a SACK: the 16-byte SACKX header that follows the BTH;
+--   * on a NACK (0xC2): the 4-byte NACKX header (EV, code: 1 = the packet was trimmed);
 --   * on an MRC data packet: the immediate read as message id and packets in the
 --     message, a lab convention and not standard RDMA. MRC data is an RDMA WRITE ONLY
 --     WITH IMMEDIATE that does not ask for an ACK; an RC one ends a message and does.
+--   * on a packet a switch trimmed (its DSCP rewritten to 40, its payload and ICRC cut:
+--     InfiniBand's dissector reads its last 4 bytes as the ICRC): fabriclab_mrc.trimmed,
+--     and for MRC data the message id and count from the bytes where the ImmDt stands.
 
 -- The values of traffic/constants.py that this file needs (Lua cannot import them).
 local ROCE_V2_UDP_PORT = 4791
 local OPCODE_MRC_DATA = 0x0B        -- Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
 local OPCODE_MRC_SACK = 0xC1        -- Opcode.MRC_SACK
+local OPCODE_MRC_NACK = 0xC2        -- Opcode.MRC_NACK
+local DSCP_TRIMMED = 40             -- DSCP_TRIMMED
+local NACKX_BYTES = 4               -- MRC_NACKX_BYTES
+local NACK_CODES = { [1] = "trimmed" }   -- MRC_NACK_CODE_TRIMMED
+local RETH_BYTES = 16
+local IMMDT_BYTES = 4
 local BTH_BYTES = 12
 local ICRC_BYTES = 4
 local SACKX_BYTES = 16              -- MRC_SACKX_BYTES
@@ -41,6 +51,12 @@ local pf = {
     reserved = ProtoField.uint8("fabriclab_mrc.sack.reserved", "Reserved", base.HEX),
     credit_psn = ProtoField.uint32("fabriclab_mrc.sack.credit_psn",
                                    "Credit PSN (the sender may send PSNs below it)", base.DEC),
+    nack_psn = ProtoField.uint24("fabriclab_mrc.nack.psn", "PSN to resend", base.DEC),
+    nack_ev = ProtoField.uint16("fabriclab_mrc.nack.ev", "Entropy value of the packet answered",
+                                base.DEC),
+    nack_code = ProtoField.uint8("fabriclab_mrc.nack.code", "Code", base.DEC, NACK_CODES),
+    nack_flags = ProtoField.uint8("fabriclab_mrc.nack.flags", "Flags", base.HEX),
+    trimmed = ProtoField.bool("fabriclab_mrc.trimmed", "Trimmed by a switch (headers only)"),
 }
 mrc.fields = pf
 
@@ -57,6 +73,7 @@ local f_destqp = Field.new("infiniband.bth.destqp")
 local f_ackreq = Field.new("infiniband.bth.a")
 local f_psn = Field.new("infiniband.bth.psn")
 local f_immdt = Field.new("infiniband.immdt")
+local f_dscp = Field.new("ip.dsfield.dscp")
 
 -- The UDP source port of the header that carried RoCE v2, or nil when the
 -- InfiniBand layer came by another way. Ports pair up by position, so a tunnel's
@@ -132,14 +149,56 @@ local function dissect_sack(pinfo, tree)
                                       sackx:range(12, 4):uint()))
 end
 
+local function dissect_nack(pinfo, tree)
+    local ib, bth, psn = f_infiniband(), f_bth(), f_psn()
+    local source, offset = bth.source, bth.offset + BTH_BYTES
+    if ib.offset + ib.len < offset + NACKX_BYTES + ICRC_BYTES then
+        tree:add(mrc, bth.range, "fabriclab MRC NACK"):add_proto_expert_info(truncated)
+        return
+    end
+    local nackx = source:range(offset, NACKX_BYTES)
+    local subtree = tree:add(mrc, nackx, "fabriclab MRC NACK")
+    subtree:add(pf.nack_psn, psn.range)
+    subtree:add(pf.nack_ev, nackx:range(0, 2))
+    subtree:add(pf.nack_code, nackx:range(2, 1))
+    subtree:add(pf.nack_flags, nackx:range(3, 1))
+    local code = nackx:range(2, 1):uint()
+    pinfo.cols.info:set(string.format("MRC NACK QP=0x%06x resend PSN %d (%s), EV %d",
+                                      f_destqp().value, psn.value, NACK_CODES[code] or "?",
+                                      nackx:range(0, 2):uint()))
+end
+
+-- A trimmed packet: its headers as the sender wrote them, nothing after.
+local function dissect_trimmed(pinfo, tree, opcode, ev)
+    local bth = f_bth()
+    local subtree = tree:add(mrc, bth.range, "fabriclab MRC data, trimmed by a switch")
+    subtree:add(pf.trimmed, bth.range, true):set_generated()
+    local imm_at = bth.offset + BTH_BYTES + RETH_BYTES
+    if opcode == OPCODE_MRC_DATA and bth.source:len() >= imm_at + IMMDT_BYTES then
+        local imm = bth.source:range(imm_at, IMMDT_BYTES)
+        subtree:add(pf.msg_id, imm:range(0, 2))
+        subtree:add(pf.msg_packets, imm:range(2, 2))
+        pinfo.cols.info:set(string.format("MRC data TRIMMED QP=0x%06x PSN %d [MRC msg %d, EV %d]",
+                                          f_destqp().value, f_psn().value,
+                                          imm:range(0, 2):uint(), ev))
+    else
+        pinfo.cols.info:append(" [TRIMMED]")
+    end
+end
+
 function mrc.dissector(tvb, pinfo, tree)
     local opcode = f_opcode()
     local sport = opcode and roce_v2_source_port()
     if not sport then
         return
     end
-    if opcode.value == OPCODE_MRC_SACK then
+    local dscp = f_dscp()
+    if dscp and dscp.value == DSCP_TRIMMED then
+        dissect_trimmed(pinfo, tree, opcode.value, sport)
+    elseif opcode.value == OPCODE_MRC_SACK then
         dissect_sack(pinfo, tree)
+    elseif opcode.value == OPCODE_MRC_NACK then
+        dissect_nack(pinfo, tree)
     elseif opcode.value == OPCODE_MRC_DATA then
         dissect_data(pinfo, tree, sport)   -- a data packet's source port is its EV
     end

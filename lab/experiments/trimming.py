@@ -1,0 +1,188 @@
+"""Packet trimming: the incast without PFC, MRC over a queue that drops against MRC over
+a queue that trims.
+
+N GPU hosts send to one over MRC at full rate, as in the incast; the receiver's switch
+port overflows. Two variants, one after the other on the same fabric:
+  drop   the full queue drops what does not fit: MRC learns of each loss when packets
+         sent after it are acknowledged (reorder_packets) or when its timer fires
+  trim   the port cuts what does not fit to its headers and sends those on in the
+         control class (lab/kernel/dataplane.bpf.c); the receiver answers each with a
+         NACK and the sender resends exactly that packet (traffic/mrc.py), about a
+         round trip after sending it, instead of a timeout
+The receivers grant no pooled credit here (`credit_budget_packets` 0: each sender's
+own window): the receiver's credit is what keeps MRC's incast from overflowing a
+queue at all, and this experiment is about what happens when one does overflow.
+Trimming runs in the BPF data path only (where doctor says it cannot run, the run
+stops and says why).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from lab.core.errors import LabError, UsageError
+from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import SETTLE_S, dataplane_drops, traffic_timeout_s
+from lab.fabric.capture import CapturePlan
+from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.gpus import GpuAgents
+from traffic.constants import PRIORITY_ROCE_DATA
+from traffic.mrc import MrcParams
+
+log = logging.getLogger(__name__)
+NAME = "trimming"
+DESCRIPTION = "incast over MRC without PFC: a queue that drops vs one that trims (NACK, resend)"
+# the incast's fabric: 8 senders and a receiver on one leaf; 10 Mb/s for 100 Gb/s
+TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 9,
+                                    "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
+                                    "rate_scale": 10000}}
+VARIANTS = ("drop", "trim")
+
+
+@dataclass
+class Params:
+    topology: str = "leaf-spine"
+    senders: int = 8
+    flow_kb: int = 600          # per sender: ~4 s of the 10 Mb/s port for all eight
+    variants: str = ",".join(VARIANTS)
+    trim_kb: float = 0.0        # trimming starts at this backlog; 0: the buffer (instead
+    # of the drops)
+    credit_budget_packets: int = 0   # the receivers' pooled credit (0: none, see above)
+
+    def validate(self) -> None:
+        bad = set(self.variant_list) - set(VARIANTS)
+        if bad:
+            raise UsageError(f"unknown trimming variant(s) {sorted(bad)}; choose from "
+                             f"{', '.join(VARIANTS)}")
+        if self.senders < 2 or self.flow_kb <= 0:
+            raise UsageError("need senders >= 2 and flow_kb > 0")
+        if self.credit_budget_packets < 0:
+            raise UsageError("credit_budget_packets must be 0 (none) or more")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+
+def capture_plan(fabric, params: Params) -> CapturePlan:
+    """The bottleneck port (toward the receiver: the trimmed headers) and a sender's
+    port (toward it: the NACKs), without the whole data frames."""
+    hosts = [h.name for h in fabric.hosts]
+    return CapturePlan(hosts[:2], "not (udp dst port 4791 and (ip[1] & 0xfc) = 0x68 and "
+                       "greater 200)",
+                       "trimmed headers, NACKs and SACKs (whole RoCE data frames are left out)")
+
+
+def bottleneck_counts(dp, switch: str, port: int) -> dict:
+    """Frames the bottleneck dropped and trimmed, and every drop in the switches."""
+    c = dp.counters(switch, port, PRIORITY_ROCE_DATA)
+    return {"drops": c["drop_packets"], "trimmed": c["trimmed"],
+            "all_drops": dataplane_drops(dp, PRIORITY_ROCE_DATA), "t": time.time()}
+
+
+def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
+                senders: list[str]) -> dict:
+    p, net = ctx.params, ctx.net
+    recv_if = ctx.fabric.host(receiver).interface()
+    set_congestion(net, CongestionParams(trim=variant == "trim", trim_kb=p.trim_kb))
+    before = bottleneck_counts(net.dataplane, recv_if.switch, recv_if.port)
+    nbytes = p.flow_kb * 1024
+    log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over MRC -> {receiver}")
+    t0 = time.time()
+    flows = gpus.transfers([(s, receiver, nbytes) for s in senders], "mrc",
+                           params={"credit_budget_packets": p.credit_budget_packets},
+                           timeout_s=traffic_timeout_s(len(senders) * nbytes,
+                                                       recv_if.rate_mbps))
+    t1 = time.time()
+    time.sleep(SETTLE_S)
+    after = bottleneck_counts(net.dataplane, recv_if.switch, recv_if.port)
+    key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
+    elsewhere = {k: n - before["all_drops"][k] for k, n in after["all_drops"].items()
+                 if k != key and n - before["all_drops"][k]}
+    q = ctx.telemetry.summary(t0, t1).get(key, {})
+    sent = [f["counters"] for f in flows]
+    got = [f["receiver_counters"] for f in flows]
+    ideal_s = len(senders) * nbytes * 8 / (recv_if.rate_mbps * 1e6)
+    done = [f["completion_s"] for f in flows if f["completion_s"] is not None]
+    return {
+        "bottleneck": key,
+        "drops_packets": after["drops"] - before["drops"],
+        "trimmed_packets": after["trimmed"] - before["trimmed"],
+        "drops_elsewhere": elsewhere,
+        "counted_unix_s": [round(before["t"], 4), round(after["t"], 4)],
+        "retransmitted_packets": sum(c["retransmitted"] for c in sent),
+        "timeouts": sum(c["timeouts"] for c in sent),
+        "trimmed_received": sum(c["trimmed_received"] for c in got),
+        "trim_nacks_sent": sum(c["trim_nacks_sent"] for c in got),
+        "trim_nacks_received": sum(c["trim_nacks_received"] for c in sent),
+        "trim_resent": sum(c["trim_resent"] for c in sent),
+        "trim_recovery_ms_max": max(c["trim_recovery_ms_max"] for c in sent),
+        "receiver_duplicates": sum(c["duplicate"] for c in got),
+        "backlog_bytes_p50": q.get("backlog_bytes_p50", 0),
+        "backlog_bytes_p99": q.get("backlog_bytes_p99", 0),
+        "backlog_bytes_max": q.get("backlog_bytes_max", 0),
+        "completion_s_max": round(max(done), 3) if len(done) == len(flows) else None,
+        "ideal_s": round(ideal_s, 3),
+        "elapsed_s": round(t1 - t0, 3),
+        "all_intact": all(f["intact"] for f in flows),
+    }
+
+
+def run(ctx: RunContext) -> dict:
+    p = ctx.params
+    if ctx.net.dataplane is None:
+        raise LabError("the trimming experiment needs the lab's BPF data path, which is not "
+                       "running here (fabriclab doctor says why)")
+    hosts = [h.name for h in ctx.fabric.hosts]
+    if len(hosts) < p.senders + 1:
+        raise UsageError(f"trimming with {p.senders} senders needs {p.senders + 1} hosts; "
+                         f"the fabric has {len(hosts)}")
+    receiver, senders = hosts[0], hosts[1:p.senders + 1]
+    out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024,
+           "rto_floor_ms": MrcParams().rto_ms}
+    try:
+        with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
+            for variant in p.variant_list:
+                m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
+                log.info(f"  drops {m['drops_packets']}, trimmed {m['trimmed_packets']}, "
+                         f"resent {m['retransmitted_packets']} ({m['timeouts']} by timeout, "
+                         f"{m['trim_resent']} at a NACK, the slowest "
+                         f"{m['trim_recovery_ms_max']:.1f} ms after sending), done in "
+                         f"{m['completion_s_max']} s (ideal {m['ideal_s']} s)")
+            out["cpu_bound_hosts"] = gpus.cpu_bound()
+    finally:
+        set_congestion(ctx.net, CongestionParams())
+    return out
+
+
+def claims(params: Params, m: dict) -> list[Claim]:
+    ran = [v for v in params.variant_list if v in m]
+    out = [Claim("every message arrived intact, every variant",
+                 all(m[v]["all_intact"] for v in ran), {v: m[v]["all_intact"] for v in ran},
+                 "all True")]
+    if "drop" in m:
+        v = m["drop"]
+        out.append(Claim("drop: the bottleneck queue overflows and drops",
+                         v["drops_packets"] > 0 and v["trimmed_packets"] == 0,
+                         {"drops": v["drops_packets"], "trimmed": v["trimmed_packets"]},
+                         "drops > 0, trimmed == 0", "packets"))
+    if "trim" in m:
+        v = m["trim"]
+        out += [
+            Claim("trim: the bottleneck trims instead of dropping",
+                  v["trimmed_packets"] > 0 and v["drops_packets"] == 0,
+                  {"trimmed": v["trimmed_packets"], "drops": v["drops_packets"]},
+                  "trimmed > 0, drops == 0", "packets"),
+            Claim("trim: every trimmed packet is NACKed and resent, nothing else, no timeout",
+                  v["trimmed_received"] == v["trim_nacks_sent"] == v["trimmed_packets"]
+                  and v["retransmitted_packets"] == v["trim_resent"] == v["trimmed_packets"]
+                  and v["timeouts"] == 0,
+                  {"trimmed": v["trimmed_packets"], "nacks": v["trim_nacks_sent"],
+                   "resent": v["retransmitted_packets"], "timeouts": v["timeouts"]},
+                  "nacks == resent == trimmed, timeouts == 0", "packets"),
+            Claim("trim: each resent sooner than MRC's retransmit timer could",
+                  0 < v["trim_recovery_ms_max"] < m["rto_floor_ms"],
+                  v["trim_recovery_ms_max"], f"< {m['rto_floor_ms']:g} (the RTO floor)", "ms"),
+        ]
+    return out

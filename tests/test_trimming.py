@@ -1,0 +1,61 @@
+"""Packet trimming on a running fabric: the trimming experiment at its defaults, every
+claim held, and every count of metrics.json that a capture can count equal to tshark's
+count (the data path's own trimming is tested on one veth in test_dataplane.py, MRC's
+NACKs in memory in test_transport.py)."""
+import json
+
+import wire
+from conftest import fabriclab, requires_root
+from topologies.fabric import Fabric, interface_name
+from traffic.constants import DSCP_TRIMMED, ROCE_V2_UDP_PORT, TRIMMED_FRAME_BYTES, Opcode
+
+DATA = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE     # MRC's data packets
+
+
+def trimmed(f: wire.Frame) -> bool:
+    return f.udp_dst == ROCE_V2_UDP_PORT and f.dscp == DSCP_TRIMMED
+
+
+@requires_root
+def test_trimming_at_the_defaults_counts_what_the_wire_shows(tmp_path, machine_factor):
+    """Both variants (8 senders x 600 KB over MRC into one port, ~10 s at the defaults)
+    with every port of the leaf captured. Per variant, within the span its counters
+    cover: the data frames the senders sent that never reached the receiver whole or
+    trimmed (drops), the trimmed headers that reached it (74 bytes each), the NACKs it
+    sent, and the data frames a sender sent again (a QP's PSN repeated). Exact, but for
+    what tcpdump reports it lost itself."""
+    out = tmp_path / "trimming"
+    r = fabriclab("run", "trimming", "--capture", "fl-lf0", "--capture-mb", "60",
+                  "--out", str(out), timeout=int(300 / machine_factor))
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    failed = [c for c in m["claims"] if not c["passed"]]
+    assert not failed and len(m["claims"]) == 5, failed
+    cap = wire.RunCaptures(out)
+    fabric = Fabric.load(out / "fabric.json")
+    mx = cap.metrics
+    recv = fabric.host(mx["receiver"]).interface()
+    recv_port = interface_name(recv.switch, recv.port)
+    sender_ports = [interface_name(i.switch, i.port)
+                    for i in (fabric.host(s).interface() for s in mx["senders"])]
+    slack = cap.tcpdump_dropped(cap.ports)
+
+    def to_recv(f):
+        return f.dst == recv.ip and f.opcode == DATA
+
+    for name in ("drop", "trim"):
+        v, span = mx[name], mx[name]["counted_unix_s"]
+        sent = cap.within(sender_ports, span, lambda f: f.roce_data and to_recv(f))
+        whole = cap.count([recv_port], span, lambda f: f.roce_data and to_recv(f))
+        cut = cap.within([recv_port], span, lambda f: trimmed(f) and to_recv(f))
+        assert all(f.length == TRIMMED_FRAME_BYTES for f in cut)
+        seen = {"drops": len(sent) - whole - len(cut), "trimmed": len(cut),
+                "nacks": cap.count([recv_port], span, lambda f: f.opcode == Opcode.MRC_NACK
+                                   and f.src == recv.ip),
+                "retransmitted": wire.repeats(sent)}
+        counted = {"drops": v["drops_packets"] + sum(v["drops_elsewhere"].values()),
+                   "trimmed": v["trimmed_packets"], "nacks": v["trim_nacks_sent"],
+                   "retransmitted": v["retransmitted_packets"]}
+        off = {k: (counted[k], seen[k]) for k in counted if abs(counted[k] - seen[k]) > slack}
+        assert not off, f"{name}: metrics vs tshark {off} (tcpdump lost {slack})"
+    assert mx["trim"]["trimmed_packets"] > 0 and mx["drop"]["drops_packets"] > 0

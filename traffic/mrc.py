@@ -328,6 +328,7 @@ class MrcQP(QueuePair):
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.rto_s = self.srtt + max(self.params.rto_ms / 1000, 4 * self.rttvar)
+        self.counters.srtt_ms = round(self.srtt * 1e3, 3)
         if rtt - self.base_rtt > self.params.target_delay_ms / 1000:
             self._decrease(now)
 

@@ -48,6 +48,7 @@ class Counters:
     trim_resent: int = 0            # packets resent because a NACK asked for them
     trim_recovery_ms_max: float = 0.0   # the longest from a trimmed packet's sending to
                                         # its resending
+    srtt_ms: float = 0.0            # the sender's smoothed round trip, last (MRC)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

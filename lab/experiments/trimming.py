@@ -118,6 +118,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "trim_nacks_received": sum(c["trim_nacks_received"] for c in sent),
         "trim_resent": sum(c["trim_resent"] for c in sent),
         "trim_recovery_ms_max": max(c["trim_recovery_ms_max"] for c in sent),
+        "srtt_ms": [c["srtt_ms"] for c in sent],   # each sender's round trip, at the end
         "receiver_duplicates": sum(c["duplicate"] for c in got),
         "backlog_bytes_p50": q.get("backlog_bytes_p50", 0),
         "backlog_bytes_p99": q.get("backlog_bytes_p99", 0),

@@ -396,7 +396,7 @@ def test_a_trimmed_packet_mrc_resends_at_its_nack_rc_goes_back_n(kind):
         c = qa.counters
         assert qb.counters.trim_nacks_sent == c.trim_nacks_received == len(trims)
         assert c.retransmitted == c.trim_resent == len(trims) and c.timeouts == 0
-        assert 0 < c.trim_recovery_ms_max < MrcParams().rto_ms
+        assert 0 < c.resend_delay_ms_max < MrcParams().rto_ms
         assert qb.counters.duplicate == 0
     else:
         assert qa.counters.retransmitted > len(trims)

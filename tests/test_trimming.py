@@ -30,7 +30,7 @@ def test_trimming_at_the_defaults_counts_what_the_wire_shows(tmp_path, machine_f
     assert (out / "metrics.json").exists(), r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     failed = [c for c in m["claims"] if not c["passed"]]
-    assert not failed and len(m["claims"]) == 5, failed
+    assert not failed and len(m["claims"]) == 6, failed
     cap = wire.RunCaptures(out)
     fabric = Fabric.load(out / "fabric.json")
     mx = cap.metrics

@@ -132,7 +132,9 @@ class MrcQP(QueuePair):
         # so timers and loss detection look at the front only
         self.inflight: dict[int, Inflight] = {}
         self.retx: list[int] = []
-        self.nacked: dict[int, float] = {}     # seq -> when it was sent, until it is resent
+        # seq -> (when the sending that was lost went, whether a NACK said so): until the
+        # packet is resent
+        self.lost_sent_at: dict[int, tuple[float, bool]] = {}
         self.tx_index = 0
         self.max_acked_tx = -1
         self.cwnd = p.init_cwnd_packets
@@ -198,11 +200,12 @@ class MrcQP(QueuePair):
             old = self.inflight.pop(seq, None)
             ev = self._pick_ev(now, avoid=old.ev if old else None)
             self.counters.retransmitted += 1
-            if seq in self.nacked:
-                self.counters.trim_resent += 1
-                self.counters.trim_recovery_ms_max = max(
-                    self.counters.trim_recovery_ms_max,
-                    round((now - self.nacked.pop(seq)) * 1e3, 3))
+            if seq in self.lost_sent_at:
+                sent_at, by_nack = self.lost_sent_at.pop(seq)
+                delay_ms, c = (now - sent_at) * 1e3, self.counters
+                c.trim_resent += by_nack
+                c.resend_delay_ms_max = max(c.resend_delay_ms_max, round(delay_ms, 3))
+                c.resend_delay_ms_sum = round(c.resend_delay_ms_sum + delay_ms, 3)
         else:
             seq = self.snd_nxt
             self.snd_nxt += 1
@@ -243,6 +246,7 @@ class MrcQP(QueuePair):
         return out
 
     def _lost(self, f: Inflight, now: float) -> None:
+        self.lost_sent_at[f.seq] = (f.sent_at, False)
         self.retx.append(f.seq)
         f.sent_at = LOST                  # not lost twice before it is resent
         ev = f.ev
@@ -278,7 +282,7 @@ class MrcQP(QueuePair):
             f = self.inflight.pop(seq)
             if seq in self.retx:
                 self.retx.remove(seq)
-                self.nacked.pop(seq, None)
+                self.lost_sent_at.pop(seq, None)
             if f.sent_at != LOST and not f.resent:
                 self._rtt_sample(now - f.sent_at, now)
             f.ev.failures = 0
@@ -315,7 +319,7 @@ class MrcQP(QueuePair):
         if code != MRC_NACK_CODE_TRIMMED or f is None or f.sent_at == LOST \
                 or f.ev.port != ev_port:
             return
-        self.nacked[seq] = f.sent_at
+        self.lost_sent_at[seq] = (f.sent_at, True)
         self.retx.append(seq)
         f.sent_at = LOST
         self._decrease(now)

@@ -46,8 +46,9 @@ class Counters:
     trim_nacks_sent: int = 0        # ...each answered with a NACK (MRC)
     trim_nacks_received: int = 0
     trim_resent: int = 0            # packets resent because a NACK asked for them
-    trim_recovery_ms_max: float = 0.0   # the longest from a trimmed packet's sending to
-                                        # its resending
+    resend_delay_ms_max: float = 0.0    # the longest from a lost (or trimmed) packet's
+                                        # sending to its resending (MRC)
+    resend_delay_ms_sum: float = 0.0    # ...and all of them together (a mean)
     srtt_ms: float = 0.0            # the sender's smoothed round trip, last (MRC)
 
     def as_dict(self) -> dict:

@@ -28,17 +28,19 @@ receiver's credit caps it too (what tames incast: the receiver sizes the credit)
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
                                MRC_MESSAGE_ID_MODULUS, MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
                                MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES,
                                Opcode)
+from traffic.nscc import Nscc, NsccParams
 from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import Parsed, immdt, reth
 
 _SACKX = struct.Struct("!QHBBI")
 _NACKX = struct.Struct("!HBB")
+CC_MODES = ("window", "nscc")
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
 EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES}  # roce.parse
 
@@ -71,6 +73,12 @@ class MrcParams:
                                        # is full waits for it: without the timer, until its RTO)
     credit_budget_packets: int = 64    # receiver: packets in flight it grants all its senders
                                        # together (0: each QP its own credit_packets)
+    cc: str = "window"                 # the sender's window: "window" (the lab's own: +1 per
+                                       # window of ACKs, x decrease_factor on an ECN echo, a
+                                       # delay past target_delay_ms or a loss, once per RTT)
+                                       # or "nscc" (Ultra Ethernet's: traffic/nscc.py)
+    nscc: dict = field(default_factory=dict)   # NsccParams fields, for cc "nscc"
+    line_rate_mbps: float = 0.0        # the NIC's rate (the agent sets it): NSCC's BDP
 
 
 class CreditPool:
@@ -121,6 +129,11 @@ class MrcQP(QueuePair):
         p = self.params
         if len(p.evs) < p.min_active_evs:
             raise ValueError(f"{len(p.evs)} EVs is fewer than min_active_evs={p.min_active_evs}")
+        if p.cc not in CC_MODES:
+            raise ValueError(f"cc must be one of {', '.join(CC_MODES)}, got {p.cc!r}")
+        # NSCC keeps the window in bytes; self.cwnd (packets) follows it
+        self.nscc = Nscc(NsccParams(**p.nscc), p.mtu_bytes, p.line_rate_mbps or 100.0,
+                         p.init_cwnd_packets * p.mtu_bytes) if p.cc == "nscc" else None
         self.evs = [EvState(port) for port in p.evs]
         self.good_evs = list(self.evs)  # kept in step with the statuses (_statuses_changed)
         self.ev_turn = 0
@@ -252,6 +265,8 @@ class MrcQP(QueuePair):
         ev = f.ev
         ev.lost += 1
         ev.failures += 1
+        if self.nscc:
+            self.nscc.on_loss()
         if ev.status == "probing" or (ev.failures >= self.params.ev_fail_losses
                                       and len(self.active_evs()) > self.params.min_active_evs):
             if ev.status != "bad":
@@ -261,6 +276,9 @@ class MrcQP(QueuePair):
         self._decrease(now)
 
     def _decrease(self, now: float) -> None:
+        """The lab's own window ("window"): NSCC decides for itself."""
+        if self.nscc:
+            return
         rtt = self.srtt or self.params.rto_ms / 1000
         if now - self.last_decrease >= rtt:
             self.cwnd = max(self.params.min_cwnd_packets, self.cwnd * self.params.decrease_factor)
@@ -278,6 +296,7 @@ class MrcQP(QueuePair):
             if seq in self.inflight:
                 newly.append(seq)
             bitmap ^= low
+        timed = None                       # the round trip of the youngest packet answered
         for seq in newly:
             f = self.inflight.pop(seq)
             if seq in self.retx:
@@ -285,13 +304,19 @@ class MrcQP(QueuePair):
                 self.lost_sent_at.pop(seq, None)
             if f.sent_at != LOST and not f.resent:
                 self._rtt_sample(now - f.sent_at, now)
+                timed = now - f.sent_at
             f.ev.failures = 0
             if f.ev.status == "probing":
                 f.ev.status = "good"      # the probe got through: readmitted
                 self._statuses_changed()
             if not f.resent:   # (which sending arrived is not known: the first, maybe)
                 self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
-            self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
+            if not self.nscc:
+                self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
+        if self.nscc and newly:
+            self.nscc.on_ack(len(newly) * self.mtu, timed, bool(flags & MRC_SACK_FLAG_ECN_ECHO),
+                             now, len(self.inflight) * self.mtu)
+            self.cwnd = self.nscc.cwnd / self.mtu
         if cum > self.snd_cum:
             self.snd_cum = cum
             self.retire_acked(cum)
@@ -322,6 +347,8 @@ class MrcQP(QueuePair):
         self.lost_sent_at[seq] = (f.sent_at, True)
         self.retx.append(seq)
         f.sent_at = LOST
+        if self.nscc:
+            self.nscc.on_nack()
         self._decrease(now)
 
     def _rtt_sample(self, rtt: float, now: float) -> None:

@@ -29,7 +29,7 @@ from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
 from traffic.constants import PRIORITY_ROCE_DATA
-from traffic.mrc import MrcParams
+from traffic.mrc import CC_MODES, MrcParams
 
 log = logging.getLogger(__name__)
 NAME = "trimming"
@@ -51,6 +51,9 @@ class Params:
     trim_kb: float = 0.0        # trimming starts at this backlog; 0: the buffer (instead
     # of the drops)
     credit_budget_packets: int = 0   # the receivers' pooled credit (0: none, see above)
+    cc: str = "window"          # the MRC senders' window: window (the lab's) | nscc
+    ecn: str = "off"            # the switches' ECN marking in both variants (NSCC decreases
+    # on marks): off | auto | bpf | red | controller
 
     def validate(self) -> None:
         bad = set(self.variant_list) - set(VARIANTS)
@@ -61,6 +64,13 @@ class Params:
             raise UsageError("need senders >= 2 and flow_kb > 0")
         if self.credit_budget_packets < 0:
             raise UsageError("credit_budget_packets must be 0 (none) or more")
+        if self.cc not in CC_MODES:
+            raise UsageError(f"cc must be one of {', '.join(CC_MODES)}, got {self.cc!r}")
+        if self.ecn not in ("off", "auto", "bpf", "red", "controller"):
+            raise UsageError(f"ecn must be off, auto, bpf, red or controller, got {self.ecn!r}")
+        if self.cc == "nscc" and self.ecn == "off":
+            raise UsageError("NSCC cuts its window on ECN-marked acknowledgements: with "
+                             "ecn=off it would only grow; add --set ecn=auto")
 
     @property
     def variant_list(self) -> list[str]:
@@ -87,13 +97,14 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                 senders: list[str]) -> dict:
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
-    set_congestion(net, CongestionParams(trim=variant == "trim", trim_kb=p.trim_kb))
+    set_congestion(net, CongestionParams(ecn=p.ecn, trim=variant == "trim", trim_kb=p.trim_kb))
     before = bottleneck_counts(net.dataplane, recv_if.switch, recv_if.port)
     nbytes = p.flow_kb * 1024
     log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over MRC -> {receiver}")
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, nbytes) for s in senders], "mrc",
-                           params={"credit_budget_packets": p.credit_budget_packets},
+                           params={"credit_budget_packets": p.credit_budget_packets,
+                                   "cc": p.cc},
                            timeout_s=traffic_timeout_s(len(senders) * nbytes,
                                                        recv_if.rate_mbps))
     t1 = time.time()

@@ -299,6 +299,25 @@ def cmd_samples(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from lab import inspect
+    s = inspect.settings_of_run(args.pcap)
+    if args.rate_mbps:
+        s.rate_mbps = args.rate_mbps
+    if args.cnp_interval_ms:
+        s.cnp_interval_ms = args.cnp_interval_ms
+    if args.reaction_grace_ms is not None:
+        s.reaction_grace_ms = args.reaction_grace_ms
+    for pair in args.paused_mac or []:
+        pausing, _, paused = pair.partition("=")
+        if not paused:
+            raise UsageError(f"--paused-mac takes PAUSING_MAC=PAUSED_MAC, got {pair!r}")
+        s.paused_macs[pausing.lower()] = paused.lower()
+    report = inspect.inspect(args.pcap, s)
+    print(json.dumps(report, indent=1) if args.json else inspect.render(report))
+    return 1 if report["violations"] else 0
+
+
 def _values(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
@@ -424,6 +443,21 @@ def build_parser() -> Parser:
                    help="hier: inside each rack over scale-up links, then across racks")
     a.add_argument("--seed", type=int, default=1)
     a.set_defaults(func=cmd_allreduce)
+    ins = sub.add_parser("inspect", help="what a capture (the lab's or real hardware's) shows "
+                         "per flow, and the protocol rules it breaks; exit 1 if any")
+    ins.add_argument("pcap", type=Path, metavar="PCAP")
+    ins.add_argument("--rate-mbps", type=float, help="the link's rate (a pause's length); "
+                     "a capture in a lab run's captures/ knows it")
+    ins.add_argument("--cnp-interval-ms", type=float,
+                     help="DCQCN's CNP interval (default 0.05, a lab run's own if known)")
+    ins.add_argument("--reaction-grace-ms", type=float, help="how long after a pause or a "
+                     "SACK passed the capture a host may still send what it stops (default 2: "
+                     "the lab's NICs react in software)")
+    ins.add_argument("--paused-mac", action="append", metavar="PAUSING=PAUSED",
+                     help="the paused end's MAC for a MAC that sends pauses (default: every "
+                          "other MAC); repeatable")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.set_defaults(func=cmd_inspect)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
     sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")
     sm.set_defaults(func=cmd_samples)

@@ -3,9 +3,11 @@ claim held, and every count of metrics.json that a capture can count equal to ts
 count (the data path's own trimming is tested on one veth in test_dataplane.py, MRC's
 NACKs in memory in test_transport.py)."""
 import json
+from pathlib import Path
 
 import wire
 from conftest import fabriclab, requires_root
+from lab import inspect
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_TRIMMED, ROCE_V2_UDP_PORT, TRIMMED_FRAME_BYTES, Opcode
 
@@ -59,3 +61,15 @@ def test_trimming_at_the_defaults_counts_what_the_wire_shows(tmp_path, machine_f
         off = {k: (counted[k], seen[k]) for k in counted if abs(counted[k] - seen[k]) > slack}
         assert not off, f"{name}: metrics vs tshark {off} (tcpdump lost {slack})"
     assert mx["trim"]["trimmed_packets"] > 0 and mx["drop"]["drops_packets"] > 0
+    # `fabriclab inspect` on the receiver's port: MRC broke no rule (it resent nothing a
+    # SACK had acknowledged), and it counts the trimmed headers and the NACKs as the run did
+    for port in [recv_port, *sender_ports]:
+        pcap = Path(cap.ports[port]["file"])
+        assert inspect.inspect(pcap, inspect.settings_of_run(pcap))["violations"] == [], port
+    pcap = Path(cap.ports[recv_port]["file"])
+    report = inspect.inspect(pcap, inspect.settings_of_run(pcap))
+    flows = [f for f in report["flows"] if f["dst"] == recv.ip]
+    assert len(flows) == 16 and all(f["transport"] == "mrc" for f in flows)   # 8 a variant
+    for key, counted in (("trimmed", mx["trim"]["trimmed_packets"]),
+                         ("nacks", mx["trim"]["trim_nacks_sent"])):
+        assert abs(sum(f[key] for f in flows) - counted) <= slack, key

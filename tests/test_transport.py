@@ -423,6 +423,39 @@ def test_mrc_ignores_a_nack_for_what_arrived_meanwhile():
     assert not qa.retx and qa.counters.retransmitted == 1
 
 
+# --- delivery modes ----------------------------------------------------------------------
+def test_ordered_delivery_completes_messages_in_the_order_sent():
+    """Message 1's first packet is lost and resent after message 2 has arrived whole:
+    unordered delivery completes 2 first, ordered holds it until 1 is complete."""
+    orders = {}
+    for delivery in ("unordered", "ordered"):
+        nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop_first_tx({0}), delivery=delivery)
+        qa.post_write(os.urandom(4 * 1024), region.base_va, 7, tag=1)        # PSNs 0-3
+        qa.post_write(os.urandom(4 * 1024), region.base_va + 8192, 7, tag=2)  # PSNs 4-7
+        pump([nic_a, nic_b], lambda: qa.idle() and len(qb.events) == 2)
+        orders[delivery] = [tag for kind, tag, _ in qb.events]
+        assert qa.counters.retransmitted == 1
+    assert orders == {"unordered": [2, 1], "ordered": [1, 2]}
+
+
+def test_unreliable_delivery_sends_once_and_never_answers():
+    """Datagrams: every packet once, no SACK back, no resend; a message whose packet is
+    lost never completes, the others do."""
+    lost = {3, 17, 40}                         # one-packet messages: PSN = message
+    nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop_first_tx(lost), delivery="unreliable")
+    for tag in range(50):
+        qa.post_write(os.urandom(512), region.base_va + tag * 1024, 7, tag=tag)
+    pump([nic_a, nic_b], lambda: qa.idle() and len(qb.events) == 50 - len(lost))
+    time.sleep(0.05)
+    nic_b.receive(time.monotonic())
+    assert sorted(tag for _, tag, _ in qb.events) == [t for t in range(50) if t not in lost]
+    assert [e for e in qa.events if e[0] == "sent"] == [("sent", t) for t in range(50)]
+    assert qa.counters.sent == 50 and qa.counters.retransmitted == 0
+    assert nic_b.wire.sent_ports == [] and qb.counters.acks_sent == 0
+    with pytest.raises(ValueError, match="delivery must be"):
+        pair("mrc", delivery="sometimes")
+
+
 # --- PFC: the host side -------------------------------------------------------------
 from traffic.constants import PRIORITY_CNP, PRIORITY_ROCE_DATA  # noqa: E402
 from traffic.packets import pause_8023x, pfc_pause, pfc_resume  # noqa: E402

@@ -27,6 +27,7 @@ receiver's credit caps it too (what tames incast: the receiver sizes the credit)
 """
 from __future__ import annotations
 
+import bisect
 import struct
 from dataclasses import dataclass, field
 
@@ -41,6 +42,12 @@ from traffic.roce import Parsed, immdt, reth
 _SACKX = struct.Struct("!QHBBI")
 _NACKX = struct.Struct("!HBB")
 CC_MODES = ("window", "nscc")
+# How a QP delivers messages (UET's delivery modes): "unordered", reliable, each message
+# complete as soon as its packets are (MRC's own); "ordered", reliable, a message
+# complete only once every one before it is (RC's promise, over the sprayed packets);
+# "unreliable", each packet sent once, never acknowledged: a message complete if all its
+# packets arrive, else never (datagrams for small messages that may be lost)
+DELIVERY_MODES = ("unordered", "ordered", "unreliable")
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
 EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES}  # roce.parse
 
@@ -79,6 +86,7 @@ class MrcParams:
                                        # or "nscc" (Ultra Ethernet's: traffic/nscc.py)
     nscc: dict = field(default_factory=dict)   # NsccParams fields, for cc "nscc"
     line_rate_mbps: float = 0.0        # the NIC's rate (the agent sets it): NSCC's BDP
+    delivery: str = "unordered"        # one of DELIVERY_MODES
 
 
 class CreditPool:
@@ -131,6 +139,10 @@ class MrcQP(QueuePair):
             raise ValueError(f"{len(p.evs)} EVs is fewer than min_active_evs={p.min_active_evs}")
         if p.cc not in CC_MODES:
             raise ValueError(f"cc must be one of {', '.join(CC_MODES)}, got {p.cc!r}")
+        if p.delivery not in DELIVERY_MODES:
+            raise ValueError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got "
+                             f"{p.delivery!r}")
+        self.reliable = p.delivery != "unreliable"
         # NSCC keeps the window in bytes; self.cwnd (packets) follows it
         self.nscc = Nscc(NsccParams(**p.nscc), p.mtu_bytes, p.line_rate_mbps or 100.0,
                          p.init_cwnd_packets * p.mtu_bytes) if p.cc == "nscc" else None
@@ -164,6 +176,8 @@ class MrcQP(QueuePair):
         self.rcv_seen: set[int] = set()
         self.rcv_count: dict[int, int] = {}
         self.rcv_bytes: dict[int, int] = {}
+        self.rcv_last: dict[int, int] = {}          # a message's highest seq seen (ordered)
+        self.held: list[tuple[int, int, int]] = []  # complete, earlier ones not: (last, tag, B)
         self.unsacked = 0
         self.unsacked_since: float | None = None   # the oldest packet not answered yet
         self.unsacked_sport = 0
@@ -181,6 +195,8 @@ class MrcQP(QueuePair):
     def pending(self, now: float) -> bool:
         if self.retx:
             return True
+        if not self.reliable:              # datagrams: as fast as the NIC paces them
+            return self.snd_nxt < self.snd_end
         return (self.snd_nxt < self.snd_end and len(self.inflight) < self.cwnd
                 and self.snd_nxt < self.credit_limit)
 
@@ -225,7 +241,10 @@ class MrcQP(QueuePair):
             ev = self._pick_ev(now)
         msg, i = self.message_of(seq)
         payload, va = self.chunk(msg, i)
-        self.inflight[seq] = Inflight(seq, now, ev, self.tx_index, resent)
+        if self.reliable:
+            self.inflight[seq] = Inflight(seq, now, ev, self.tx_index, resent)
+        elif i == msg.n_packets - 1:
+            self.retire_acked(seq + 1)     # a datagram message is done once sent
         self.tx_index += 1
         ev.sent += 1
         self.counters.sent += 1
@@ -374,7 +393,9 @@ class MrcQP(QueuePair):
         if p.opcode != Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE or p.imm is None:
             raise ValueError(f"opcode {p.opcode:#x} is not MRC data")
         if p.trimmed:
-            return self._on_trimmed(p)
+            return self._on_trimmed(p) if self.reliable else []
+        if not self.reliable:
+            return self._on_datagram(p)
         self.counters.received += 1
         self.counters.ecn_marked += p.ce
         seq = self.rcv_cum + psn_delta(p.psn, self.rcv_cum)
@@ -392,10 +413,19 @@ class MrcQP(QueuePair):
             tag, count = p.imm >> MRC_IMM_COUNT_BITS, p.imm & MRC_MAX_PACKETS_PER_MESSAGE
             self.rcv_count[tag] = self.rcv_count.get(tag, 0) + 1
             self.rcv_bytes[tag] = self.rcv_bytes.get(tag, 0) + len(p.payload)
+            self.rcv_last[tag] = max(seq, self.rcv_last.get(tag, seq))
             if self.rcv_count[tag] == count:
-                self.events.append(("received", tag, self.rcv_bytes.pop(tag)))
+                done = (self.rcv_last.pop(tag), tag, self.rcv_bytes.pop(tag))
                 del self.rcv_count[tag]
+                if self.params.delivery == "ordered":
+                    bisect.insort(self.held, done)
+                else:
+                    self.events.append(("received", tag, done[2]))
                 self.unsacked = self.params.sack_every_packets      # answer now
+            # ordered: a message is delivered once every packet before its last has come
+            while self.held and self.held[0][0] < self.rcv_cum:
+                _, tag, nbytes = self.held.pop(0)
+                self.events.append(("received", tag, nbytes))
         self.unsacked += 1
         # coalesced, unless something is worth telling at once; a packet at the credit
         # edge is: its sender can send nothing more until it hears back
@@ -406,6 +436,20 @@ class MrcQP(QueuePair):
             self.unsacked_sport = p.sport
             return []
         return [self._sack(p.sport, p.ce, now)]
+
+    def _on_datagram(self, p: Parsed) -> list[bytes]:
+        """Unreliable delivery: placed, counted, never answered."""
+        self.counters.received += 1
+        self.counters.ecn_marked += p.ce
+        self.region.place(p.va, p.payload)
+        self.counters.bytes_delivered += len(p.payload)
+        tag, count = p.imm >> MRC_IMM_COUNT_BITS, p.imm & MRC_MAX_PACKETS_PER_MESSAGE
+        self.rcv_count[tag] = self.rcv_count.get(tag, 0) + 1
+        self.rcv_bytes[tag] = self.rcv_bytes.get(tag, 0) + len(p.payload)
+        if self.rcv_count[tag] == count:
+            del self.rcv_count[tag]
+            self.events.append(("received", tag, self.rcv_bytes.pop(tag)))
+        return []
 
     def _on_trimmed(self, p: Parsed) -> list[bytes]:
         """A data packet a switch trimmed: its headers say which one; ask for it again

@@ -208,6 +208,32 @@ def test_lua_decodes_trimmed_packets_and_nacks(tmp_path):
     assert_decodes_clean(pcap)
 
 
+def test_probe_bytes_are_what_the_transport_sends_and_lua_decodes_them(tmp_path):
+    from traffic.mrc import MrcQP
+    from traffic.packets import mrc_probe
+    from traffic.qp import Region
+    from traffic.roce import Path as RocePath
+    path = RocePath("02:00:00:00:00:01", "02:00:00:00:00:02", "10.0.0.1", "10.0.0.2")
+    qp = MrcQP(path, 0x33, QP, Region(1, bytearray(16)))
+    ev = qp.evs[2]
+    ev.retired_at = 0.0
+    qp.set_ev(ev, "assumed_bad", 0.0, "losses")
+    [sent] = qp.on_timer(10.0)                   # its probe is due
+    p = roce.parse(sent, mrc.EXT_BYTES)
+    assert (p.opcode, p.sport, bytes(p.ext)) == (Opcode.MRC_PROBE, ev.port,
+                                                 struct.pack("!HBB", ev.port, 0, 0))
+    [answer] = qp.on_packet(p, 10.0)             # the receiver's side of a QP answers it
+    assert roce.parse(answer, mrc.EXT_BYTES).sport == ev.port
+    pcap = tmp_path / "probe.pcap"
+    wrpcap(str(pcap), [mrc_probe(1, dst_qp=QP, ev=0xD005),
+                       mrc_probe(1, dst_qp=QP, ev=0xD005, reply=True)])
+    rows = tshark_fields(pcap, [IB, "fabriclab_mrc.probe.ev", "fabriclab_mrc.probe.reply"])
+    assert [(opcode(r), r["fabriclab_mrc.probe.ev"], flag(r["fabriclab_mrc.probe.reply"]))
+            for r in rows] == [(Opcode.MRC_PROBE, "53253", False), (Opcode.MRC_PROBE, "53253",
+                                                                    True)]
+    assert_decodes_clean(pcap)
+
+
 # --- the sample pcap -------------------------------------------------------
 
 EXPECTED = [(IB, op) for op in (   # per sample frame: its BTH or MAC Control opcode

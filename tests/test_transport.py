@@ -144,11 +144,56 @@ def test_mrc_retires_a_dead_ev_and_keeps_going():
     pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
     assert bytes(region.buf[:len(data)]) == data
     ev = {e["port"]: e for e in qa.ev_report()}
-    assert ev[dead]["status"] == "bad" and ev[dead]["retirements"] == 1
+    assert ev[dead]["status"] == "assumed_bad" and ev[dead]["retirements"] == 1
+    assert [h[1:] for h in ev[dead]["history"]] == [["assumed_bad", "8 losses in a row"]]
     p = MrcParams()   # retired within the first window, before its losses were even known
     assert ev[dead]["sent"] <= p.init_cwnd_packets / len(p.evs) + p.ev_fail_losses
     assert qa.counters.retransmitted == ev[dead]["lost"]    # only what was lost, once
     assert all(e["status"] == "good" for p, e in ev.items() if p != dead)
+
+
+def test_mrc_probes_an_assumed_bad_ev_out_of_band_and_readmits_it():
+    """While the path of EV 0xF003 is dead, its probes go unanswered and no data is sent
+    on it; once the path is back, a probe is answered and the EV carries data again."""
+    dead, path_down = 0xF003, [True]
+
+    def drop(frame):
+        return path_down[0] and int.from_bytes(frame[34:36], "big") == dead
+    nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop, ev_probe_after_ms=20)
+    qa.post_write(os.urandom(300 * 1024), region.base_va, 7, tag=1)
+    ev = {e.port: e for e in qa.evs}[dead]
+    pump([nic_a, nic_b], lambda: any(e[0] == "received" for e in qb.events)
+         and any(h[2] == "probe unanswered" for h in ev.history))
+    sent_while_down, probes_while_down = ev.sent, ev.probes
+    assert ev.status in ("assumed_bad", "probing") and ev.retirements == 1
+    path_down[0] = False
+    pump([nic_a, nic_b], lambda: ev.status == "good")           # the next probe is answered
+    qa.post_write(os.urandom(300 * 1024), region.base_va, 7, tag=2)
+    pump([nic_a, nic_b], lambda: qa.idle() and sum(e[0] == "received" for e in qb.events) == 2)
+    assert ev.status == "good" and ev.sent > sent_while_down     # readmitted, carrying data
+    states = [h[1] for h in ev.history]
+    assert states[0] == "assumed_bad" and states[-2:] == ["probing", "good"]
+    assert ev.history[-1][2] == "probe answered"
+    # probes went out while it was down, each unanswered, and no data followed them
+    assert "probe unanswered" in [h[2] for h in ev.history] and probes_while_down >= 1
+    assert sent_while_down <= MrcParams().init_cwnd_packets / len(MrcParams().evs) \
+        + MrcParams().ev_fail_losses
+
+
+def test_a_denied_ev_is_never_used_nor_probed():
+    nic_a, nic_b, qa, qb, region = pair("mrc", deny_evs=(0xF001, 0xF002))
+    qa.post_write(os.urandom(64 * 1024), region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    used = set(nic_a.wire.sent_ports)
+    assert used == set(MrcParams().evs) - {0xF001, 0xF002}
+    qa.deny_ev(0xF000, time.monotonic(), "a failed plane")       # at run time, too
+    qa.post_write(os.urandom(64 * 1024), region.base_va, 7, tag=2)
+    before = len(nic_a.wire.sent_ports)
+    pump([nic_a, nic_b], lambda: qa.idle() and len(qb.events) == 2)
+    assert 0xF000 not in nic_a.wire.sent_ports[before:]
+    assert {e.port: e.history for e in qa.evs}[0xF000][-1][1:] == ["denied", "a failed plane"]
+    with pytest.raises(ValueError, match="every EV"):
+        pair("mrc", evs=(1, 2), deny_evs=(1, 2))
 
 
 def test_mrc_never_goes_below_min_active_evs():

@@ -36,6 +36,7 @@ class Opcode(IntEnum):
     # for MRC's SACK and NACK, so no standard RoCE stack mistakes them for its own.
     MRC_SACK = 0xC1
     MRC_NACK = 0xC2
+    MRC_PROBE = 0xC3
 
 
 # Transport header sizes, in bytes.
@@ -88,6 +89,13 @@ MRC_SACK_FLAG_ECN_ECHO = 0x01         # the triggering packet arrived CE-marked
 # packet (code TRIMMED): the sender resends that packet at once, without its timer.
 MRC_NACKX_BYTES = 4
 MRC_NACK_CODE_TRIMMED = 0x01
+
+# Probe: a BTH with opcode MRC_PROBE (PSN = the probe's number) then the 4-byte PROBEX
+# header: EV (16, the port probed), flags (8: MRC_PROBE_FLAG_REPLY on the answer),
+# reserved (8). A sender probes an EV it assumes bad out of band, on that EV; the
+# receiver answers on the same EV: an answer readmits the EV, no data is risked on it.
+MRC_PROBEX_BYTES = 4
+MRC_PROBE_FLAG_REPLY = 0x01
 
 # --- IP QoS ----------------------------------------------------------------
 

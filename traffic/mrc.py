@@ -19,9 +19,12 @@ acknowledged, when a NACK says it was trimmed, or when its retransmit timer fire
 round trip: srtt + max(4 rttvar, `rto_ms`), RFC 6298's estimator with Linux's floor on
 the variation term, and `initial_rto_ms` before the first sample; samples only from
 packets sent once, as Karn's algorithm says); only lost packets are resent,
-on another EV. An EV whose packets keep getting lost is retired, probed after a
-while and readmitted when a probe gets through; at least `min_active_evs` stay
-active. The window (packets in flight) grows by one per window of ACKs and
+on another EV. An EV whose packets keep getting lost is assumed bad (MRC's EV states:
+good, assumed_bad, probing, denied), probed out of band after a while (a probe frame
+on it, answered by the receiver on the same EV) and readmitted when a probe gets
+through; at least `min_active_evs` stay good. A denied EV (`deny_evs`, or `deny_ev()`
+at run time: e.g. one that maps to a failed plane) is never used nor probed. Each EV
+keeps the history of its states. The window (packets in flight) grows by one per window of ACKs and
 shrinks on ECN echoes and on queueing delay above a target, once per RTT; the
 receiver's credit caps it too (what tames incast: the receiver sizes the credit).
 """
@@ -33,14 +36,15 @@ from dataclasses import dataclass, field
 
 from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
                                MRC_MESSAGE_ID_MODULUS, MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
-                               MRC_SACK_BITMAP_BITS, MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES,
-                               Opcode)
+                               MRC_PROBE_FLAG_REPLY, MRC_PROBEX_BYTES, MRC_SACK_BITMAP_BITS,
+                               MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, Opcode)
 from traffic.nscc import Nscc, NsccParams
 from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import Parsed, immdt, reth
 
 _SACKX = struct.Struct("!QHBBI")
 _NACKX = struct.Struct("!HBB")
+_PROBEX = struct.Struct("!HBB")
 CC_MODES = ("window", "nscc")
 # How a QP delivers messages (UET's delivery modes): "unordered", reliable, each message
 # complete as soon as its packets are (MRC's own); "ordered", reliable, a message
@@ -49,7 +53,12 @@ CC_MODES = ("window", "nscc")
 # packets arrive, else never (datagrams for small messages that may be lost)
 DELIVERY_MODES = ("unordered", "ordered", "unreliable")
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
-EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES}  # roce.parse
+EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES,
+             Opcode.MRC_PROBE: MRC_PROBEX_BYTES}                          # for roce.parse
+# An EV's states (MRC's): good (carries data), assumed_bad (retired after losses;
+# probed out of band now and then), probing (a probe is out), denied (by the user or
+# the controller: never used, never probed)
+EV_STATES = ("good", "assumed_bad", "probing", "denied")
 
 
 @dataclass
@@ -71,7 +80,9 @@ class MrcParams:
     target_delay_ms: float = 5.0       # queueing delay above the base RTT that counts as congestion
     ev_fail_losses: int = 8            # losses on one EV (without a success between) to retire it:
                                        # a dead path loses every packet; a congested one, some
-    ev_probe_after_ms: float = 100.0
+    ev_probe_after_ms: float = 100.0   # an assumed-bad EV is probed this long after
+                                       # it was retired (or its last probe went unanswered)
+    deny_evs: tuple[int, ...] = ()     # EVs never to use (e.g. those of a failed plane)
     credit_packets: int = 256          # receiver: how far past its cumulative ACK a sender may go
     sack_every_packets: int = 4        # receiver: coalesce SACKs, but answer at once a packet
                                        # that is out of order, CE-marked or ends a message
@@ -109,12 +120,15 @@ class CreditPool:
 @dataclass
 class EvState:
     port: int
-    status: str = "good"               # good, bad, probing
+    status: str = "good"               # one of EV_STATES
     sent: int = 0
     lost: int = 0
     failures: int = 0                  # losses since the last success
-    retired_at: float = 0.0
+    retired_at: float = 0.0            # when it was assumed bad, or last probed in vain
     retirements: int = 0
+    probes: int = 0
+    probe_sent_at: float = 0.0
+    history: list = field(default_factory=list)   # [ms since the QP's first send, state, why]
 
 
 @dataclass(slots=True)
@@ -147,7 +161,13 @@ class MrcQP(QueuePair):
         self.nscc = Nscc(NsccParams(**p.nscc), p.mtu_bytes, p.line_rate_mbps or 100.0,
                          p.init_cwnd_packets * p.mtu_bytes) if p.cc == "nscc" else None
         self.evs = [EvState(port) for port in p.evs]
-        self.good_evs = list(self.evs)  # kept in step with the statuses (_statuses_changed)
+        self.t0: float | None = None        # the first send: the EV history's zero
+        for ev in self.evs:
+            if ev.port in p.deny_evs:
+                ev.status = "denied"
+        if all(ev.status == "denied" for ev in self.evs):
+            raise ValueError(f"every EV of {p.evs} is denied: nothing left to send on")
+        self.good_evs = [ev for ev in self.evs if ev.status == "good"]   # (_statuses_changed)
         self.ev_turn = 0
         # sender
         self.snd_cum = 0                # every seq below is acknowledged
@@ -201,20 +221,36 @@ class MrcQP(QueuePair):
                 and self.snd_nxt < self.credit_limit)
 
     def active_evs(self) -> list[EvState]:
-        return [ev for ev in self.evs if ev.status != "bad"]
+        """The EVs that carry data."""
+        return [ev for ev in self.evs if ev.status == "good"]
+
+    def set_ev(self, ev: EvState, status: str, now: float, why: str) -> None:
+        """An EV's state change, kept in its history (what link-failure reports)."""
+        if ev.status == status:
+            return
+        ev.status = status
+        t = 0.0 if self.t0 is None else (now - self.t0) * 1e3
+        ev.history.append([round(t, 3), status, why])
+        self._statuses_changed()
+
+    def deny_ev(self, port: int, now: float, why: str = "denied") -> None:
+        """Stop using EV `port` for good (the controller's or the user's decision: e.g.
+        it maps to a failed plane); a packet in flight on it is resent as usual if lost.
+        The last EV that is not denied cannot be."""
+        ev = next((e for e in self.evs if e.port == port), None)
+        if ev is None:
+            raise ValueError(f"EV {port:#x} is not one of this QP's")
+        if ev.status != "denied" and all(e.status == "denied" for e in self.evs if e is not ev):
+            raise ValueError(f"EV {port:#x} is the last one not denied")
+        self.set_ev(ev, "denied", now, why)
 
     def _statuses_changed(self) -> None:
         self.good_evs = [ev for ev in self.evs if ev.status == "good"]
 
     def _pick_ev(self, now: float, avoid: EvState | None = None) -> EvState:
-        if len(self.good_evs) < len(self.evs):
-            for ev in self.evs:   # a retired EV is probed once its time has come
-                if ev.status == "bad" and \
-                        now - ev.retired_at >= self.params.ev_probe_after_ms / 1000:
-                    ev.status = "probing"
-                    self._statuses_changed()
-                    return ev
-        active = self.good_evs or self.active_evs()
+        # (min_active_evs keeps some good; if every one was denied but the others, the
+        # assumed-bad ones carry the data rather than nothing)
+        active = self.good_evs or [ev for ev in self.evs if ev.status != "denied"]
         for _ in range(len(active)):
             ev = active[self.ev_turn % len(active)]
             self.ev_turn += 1
@@ -224,6 +260,8 @@ class MrcQP(QueuePair):
 
     def next_frame(self, now: float) -> bytes:
         resent = bool(self.retx)
+        if self.t0 is None:
+            self.t0 = now
         if resent:
             seq = self.retx.pop(0)
             old = self.inflight.pop(seq, None)
@@ -254,13 +292,22 @@ class MrcQP(QueuePair):
                                       + immdt(imm), payload=payload)
 
     def deadline(self) -> float | None:
-        sack = None if self.unsacked_since is None \
-            else self.unsacked_since + self.params.sack_delay_ms / 1000
+        due = [] if self.unsacked_since is None \
+            else [self.unsacked_since + self.params.sack_delay_ms / 1000]
         for f in self.inflight.values():     # the oldest still waiting for its answer
             if f.sent_at != LOST:
-                rto = f.sent_at + self.rto_s
-                return rto if sack is None else min(rto, sack)
-        return sack
+                due.append(f.sent_at + self.rto_s)
+                break
+        if len(self.good_evs) < len(self.evs):
+            due += [self._probe_due(ev) for ev in self.evs
+                    if ev.status in ("assumed_bad", "probing")]
+        return min(due) if due else None
+
+    def _probe_due(self, ev: EvState) -> float:
+        """When an assumed-bad EV gets its next probe, or a probe out its answer."""
+        if ev.status == "probing":
+            return ev.probe_sent_at + self.rto_s
+        return ev.retired_at + self.params.ev_probe_after_ms / 1000
 
     def on_timer(self, now: float) -> list[bytes]:
         """Fire what is due; the SACK that was waiting, if its time came."""
@@ -275,7 +322,39 @@ class MrcQP(QueuePair):
                 break                          # and so is every later one
             self.counters.timeouts += 1
             self._lost(f, now)
+        if len(self.good_evs) < len(self.evs):
+            out += self._probe(now)
         return out
+
+    def _probe(self, now: float) -> list[bytes]:
+        """Out of band: each assumed-bad EV whose time has come gets a probe on it (no
+        data is risked there); a probe unanswered within the RTO leaves it assumed bad
+        until the next."""
+        out = []
+        for ev in self.evs:
+            if ev.status not in ("assumed_bad", "probing") or now < self._probe_due(ev):
+                continue
+            if ev.status == "probing":
+                ev.retired_at = now
+                self.set_ev(ev, "assumed_bad", now, "probe unanswered")
+                continue
+            ev.probes += 1
+            ev.probe_sent_at = now
+            self.set_ev(ev, "probing", now, "probe sent")
+            out.append(self.ctrl_framer.frame(ev.port, Opcode.MRC_PROBE, self.remote_qpn,
+                                              ev.probes, ext=_PROBEX.pack(ev.port, 0, 0)))
+        return out
+
+    def _on_probe(self, p: Parsed, now: float) -> list[bytes]:
+        port, flags, _ = _PROBEX.unpack_from(p.ext)
+        if not flags & MRC_PROBE_FLAG_REPLY:     # the receiver: answered on the same EV
+            return [self.ctrl_framer.frame(p.sport, Opcode.MRC_PROBE, self.remote_qpn, p.psn,
+                                           ext=_PROBEX.pack(port, MRC_PROBE_FLAG_REPLY, 0))]
+        ev = next((e for e in self.evs if e.port == port), None)
+        if ev is not None and ev.status == "probing":
+            ev.failures = 0
+            self.set_ev(ev, "good", now, "probe answered")
+        return []
 
     def _lost(self, f: Inflight, now: float) -> None:
         self.lost_sent_at[f.seq] = (f.sent_at, False)
@@ -286,12 +365,11 @@ class MrcQP(QueuePair):
         ev.failures += 1
         if self.nscc:
             self.nscc.on_loss()
-        if ev.status == "probing" or (ev.failures >= self.params.ev_fail_losses
-                                      and len(self.active_evs()) > self.params.min_active_evs):
-            if ev.status != "bad":
-                ev.retirements += 1
-            ev.status, ev.retired_at, ev.failures = "bad", now, 0
-            self._statuses_changed()
+        if ev.status == "good" and ev.failures >= self.params.ev_fail_losses \
+                and len(self.active_evs()) > self.params.min_active_evs:
+            ev.retirements += 1
+            ev.retired_at, ev.failures = now, 0
+            self.set_ev(ev, "assumed_bad", now, f"{self.params.ev_fail_losses} losses in a row")
         self._decrease(now)
 
     def _decrease(self, now: float) -> None:
@@ -325,9 +403,6 @@ class MrcQP(QueuePair):
                 self._rtt_sample(now - f.sent_at, now)
                 timed = now - f.sent_at
             f.ev.failures = 0
-            if f.ev.status == "probing":
-                f.ev.status = "good"      # the probe got through: readmitted
-                self._statuses_changed()
             if not f.resent:   # (which sending arrived is not known: the first, maybe)
                 self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
             if not self.nscc:
@@ -390,6 +465,8 @@ class MrcQP(QueuePair):
         if p.opcode == Opcode.MRC_NACK:
             self._on_nack(p, now)
             return []
+        if p.opcode == Opcode.MRC_PROBE:
+            return self._on_probe(p, now)
         if p.opcode != Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE or p.imm is None:
             raise ValueError(f"opcode {p.opcode:#x} is not MRC data")
         if p.trimmed:

@@ -28,7 +28,7 @@ from scapy.packet import Packet, Raw, bind_bottom_up
 from traffic.constants import (DEFAULT_MTU_BYTES, DSCP_CNP, DSCP_ROCE_DATA, DSCP_TRIMMED,
                                MAC_CONTROL_DST_MAC, MAC_CONTROL_ETHERTYPE, MRC_IMM_COUNT_BITS,
                                MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
-                               MRC_NACK_CODE_TRIMMED, MRC_SACK_BITMAP_BITS,
+                               MRC_NACK_CODE_TRIMMED, MRC_PROBE_FLAG_REPLY, MRC_SACK_BITMAP_BITS,
                                MRC_SACK_FLAG_ECN_ECHO, PAUSE_QUANTA_MAX, PAYLOAD_ALIGN_BYTES,
                                PFC_PRIORITY_COUNT, PSN_MODULUS, ROCE_V2_UDP_PORT,
                                TRIMMED_FRAME_BYTES, AethSyndrome, Ecn, Opcode)
@@ -339,3 +339,26 @@ def trimmed(frame: Packet) -> Packet:
     ip.len, ip.chksum = TRIMMED_FRAME_BYTES - 14, None
     cut[UDP].len = TRIMMED_FRAME_BYTES - 14 - 20
     return Ether(bytes(cut))
+
+
+class MrcProbe(Packet):
+    """PROBEX: the EV a sender probes out of band (on that EV), and whether this is the
+    receiver's answer. Byte layout: 0-1 ev, 2 flags (bit 0: the answer), 3 reserved."""
+    name = "MRC PROBEX"
+    fields_desc = [
+        ShortField("ev", 0),
+        FlagsField("flags", 0, 8, {MRC_PROBE_FLAG_REPLY: "REPLY"}),
+        ByteField("reserved", 0),
+    ]
+
+
+bind_bottom_up(BTH, MrcProbe, opcode=Opcode.MRC_PROBE)
+
+
+def mrc_probe(number: int, *, dst_qp: int, ev: int, reply: bool = False,
+              endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """An MRC probe of EV `ev` (sent on it), or with `reply` the receiver's answer (on it
+    too): number `number` in the BTH PSN."""
+    return (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.NOT_ECT)
+            / BTH(opcode=Opcode.MRC_PROBE, dqpn=dst_qp, psn=number % PSN_MODULUS)
+            / MrcProbe(ev=ev, flags=MRC_PROBE_FLAG_REPLY if reply else 0))

@@ -193,6 +193,13 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
             "retransmitted_packets": result["retransmitted_packets"],
             "timeouts": result["timeouts"],
             "evs_retired": sum(1 for evs in result["evs"] for ev in evs if ev["retirements"]),
+            # every EV state change (MRC: good, assumed_bad, probing, denied), in the
+            # order they came: ms since its QP's first packet, which QP, which EV, why
+            "ev_changes": sorted(({"t_ms": t, "qp": i, "ev": hex(ev["port"]), "state": state,
+                                   "why": why}
+                                  for i, evs in enumerate(result["evs"]) for ev in evs
+                                  for t, state, why in ev.get("history", [])),
+                                 key=lambda c: c["t_ms"]),
             "intact": result["intact"]}
 
 
@@ -220,7 +227,20 @@ def run(ctx: RunContext) -> dict:
             m = out[transport] = run_variant(ctx, gpus, transport, leaf)
             log.info(f"  stall {m['stall_s']:.2f} s, done in {m['completion_s']:.2f} s, "
                      f"{m['retransmitted_packets']} retransmitted, {m['timeouts']} timeouts")
+            for (qp, ev), changes in group_by_ev(m["ev_changes"]).items():
+                probes = sum(c["why"] == "probe sent" for c in changes)
+                log.info(f"    QP {qp} EV {ev}: {changes[0]['state']} at "
+                         f"{changes[0]['t_ms'] / 1e3:.2f} s ({changes[0]['why']}), then "
+                         f"{probes} probes, {changes[-1]['state']} at the end")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
+    return out
+
+
+def group_by_ev(changes: list[dict]) -> dict[tuple[int, str], list[dict]]:
+    """An EV's state changes, per (QP, EV), in time order."""
+    out: dict[tuple[int, str], list[dict]] = {}
+    for c in changes:
+        out.setdefault((c["qp"], c["ev"]), []).append(c)
     return out
 
 

@@ -10,6 +10,7 @@
 -- runs after InfiniBand, reads that dissector's fields, and adds
 --   * on a SACK: the 16-byte SACKX header that follows the BTH;
 --   * on a NACK (0xC2): the 4-byte NACKX header (EV, code: 1 = the packet was trimmed);
+--   * on a probe (0xC3): the 4-byte PROBEX header (the EV probed, flags: 1 = the answer);
 --   * on an MRC data packet: the immediate read as message id and packets in the
 --     message, a lab convention and not standard RDMA. MRC data is an RDMA WRITE ONLY
 --     WITH IMMEDIATE that does not ask for an ACK; an RC one ends a message and does.
@@ -22,6 +23,9 @@ local ROCE_V2_UDP_PORT = 4791
 local OPCODE_MRC_DATA = 0x0B        -- Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
 local OPCODE_MRC_SACK = 0xC1        -- Opcode.MRC_SACK
 local OPCODE_MRC_NACK = 0xC2        -- Opcode.MRC_NACK
+local OPCODE_MRC_PROBE = 0xC3       -- Opcode.MRC_PROBE
+local PROBEX_BYTES = 4              -- MRC_PROBEX_BYTES
+local PROBE_FLAG_REPLY = 0x01       -- MRC_PROBE_FLAG_REPLY
 local DSCP_TRIMMED = 40             -- DSCP_TRIMMED
 local NACKX_BYTES = 4               -- MRC_NACKX_BYTES
 local NACK_CODES = { [1] = "trimmed" }   -- MRC_NACK_CODE_TRIMMED
@@ -57,6 +61,9 @@ local pf = {
     nack_code = ProtoField.uint8("fabriclab_mrc.nack.code", "Code", base.DEC, NACK_CODES),
     nack_flags = ProtoField.uint8("fabriclab_mrc.nack.flags", "Flags", base.HEX),
     trimmed = ProtoField.bool("fabriclab_mrc.trimmed", "Trimmed by a switch (headers only)"),
+    probe_ev = ProtoField.uint16("fabriclab_mrc.probe.ev", "Entropy value probed", base.DEC),
+    probe_reply = ProtoField.bool("fabriclab_mrc.probe.reply", "Answer (the EV works)", 8, nil,
+                                  PROBE_FLAG_REPLY),
 }
 mrc.fields = pf
 
@@ -168,6 +175,23 @@ local function dissect_nack(pinfo, tree)
                                       nackx:range(0, 2):uint()))
 end
 
+local function dissect_probe(pinfo, tree)
+    local ib, bth = f_infiniband(), f_bth()
+    local source, offset = bth.source, bth.offset + BTH_BYTES
+    if ib.offset + ib.len < offset + PROBEX_BYTES + ICRC_BYTES then
+        tree:add(mrc, bth.range, "fabriclab MRC probe"):add_proto_expert_info(truncated)
+        return
+    end
+    local probex = source:range(offset, PROBEX_BYTES)
+    local subtree = tree:add(mrc, probex, "fabriclab MRC probe")
+    subtree:add(pf.probe_ev, probex:range(0, 2))
+    subtree:add(pf.probe_reply, probex:range(2, 1))
+    local reply = math.floor(probex:range(2, 1):uint() / PROBE_FLAG_REPLY) % 2 == 1
+    pinfo.cols.info:set(string.format("MRC probe%s QP=0x%06x EV %d, probe %d",
+                                      reply and " answer" or "", f_destqp().value,
+                                      probex:range(0, 2):uint(), f_psn().value))
+end
+
 -- A trimmed packet: its headers as the sender wrote them, nothing after.
 local function dissect_trimmed(pinfo, tree, opcode, ev)
     local bth = f_bth()
@@ -199,6 +223,8 @@ function mrc.dissector(tvb, pinfo, tree)
         dissect_sack(pinfo, tree)
     elseif opcode.value == OPCODE_MRC_NACK then
         dissect_nack(pinfo, tree)
+    elseif opcode.value == OPCODE_MRC_PROBE then
+        dissect_probe(pinfo, tree)
     elseif opcode.value == OPCODE_MRC_DATA then
         dissect_data(pinfo, tree, sport)   -- a data packet's source port is its EV
     end

@@ -465,12 +465,10 @@ def incast_counters_equal_the_wire(out) -> None:
     retransmissions (a sender's frames that repeat a QP's PSN). Exact, but for what
     tcpdump reports it lost itself."""
     cap = wire.RunCaptures(out)
-    fabric = Fabric.load(out / "fabric.json")
     m = cap.metrics
-    recv = fabric.host(m["receiver"]).interface()
-    recv_port = interface_name(recv.switch, recv.port)
-    sender_ports = [interface_name(i.switch, i.port)
-                    for i in (fabric.host(s).interface() for s in m["senders"])]
+    recv = cap.fabric.host(m["receiver"]).interface()
+    recv_port, sender_ports = cap.host_port(m["receiver"]), [cap.host_port(s)
+                                                            for s in m["senders"]]
     slack = cap.tcpdump_dropped(cap.ports)
 
     def to_recv(f):

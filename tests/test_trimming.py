@@ -8,7 +8,6 @@ from pathlib import Path
 import wire
 from conftest import fabriclab, requires_root
 from lab import inspect
-from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_TRIMMED, ROCE_V2_UDP_PORT, TRIMMED_FRAME_BYTES, Opcode
 
 DATA = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE     # MRC's data packets
@@ -34,12 +33,10 @@ def test_trimming_at_the_defaults_counts_what_the_wire_shows(tmp_path, machine_f
     failed = [c for c in m["claims"] if not c["passed"]]
     assert not failed and len(m["claims"]) == 6, failed
     cap = wire.RunCaptures(out)
-    fabric = Fabric.load(out / "fabric.json")
     mx = cap.metrics
-    recv = fabric.host(mx["receiver"]).interface()
-    recv_port = interface_name(recv.switch, recv.port)
-    sender_ports = [interface_name(i.switch, i.port)
-                    for i in (fabric.host(s).interface() for s in mx["senders"])]
+    recv = cap.fabric.host(mx["receiver"]).interface()
+    recv_port, sender_ports = cap.host_port(mx["receiver"]), [cap.host_port(s)
+                                                             for s in mx["senders"]]
     slack = cap.tcpdump_dropped(cap.ports)
 
     def to_recv(f):

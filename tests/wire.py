@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT
 
 FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield.ecn",
@@ -93,12 +94,18 @@ class RunCaptures:
         self.ports = m["metrics"]["captures"]["ports"]
         self.metrics = m["metrics"]
         self.frames = {intf: read(Path(p["file"])) for intf, p in self.ports.items()}
+        self.fabric = Fabric.load(out / "fabric.json")
 
     def tcpdump_dropped(self, intfs) -> int:
         """What tcpdump itself reported losing on these ports: the only slack allowed."""
         dropped = [self.ports[i]["dropped_by_tcpdump"] for i in intfs]
         assert None not in dropped, f"tcpdump did not report its drops: {self.ports}"
         return sum(dropped)
+
+    def host_port(self, host: str) -> str:
+        """The switch interface a GPU host hangs off (its capture's name)."""
+        i = self.fabric.host(host).interface()
+        return interface_name(i.switch, i.port)
 
     def within(self, intfs, span: list[float], keep) -> list[Frame]:
         return [f for i in intfs for f in self.frames[i] if span[0] <= f.t <= span[1] and keep(f)]

@@ -67,7 +67,7 @@ local pf = {
 }
 mrc.fields = pf
 
-local truncated = ProtoExpert.new("fabriclab_mrc.sack.truncated", "SACKX header truncated",
+local truncated = ProtoExpert.new("fabriclab_mrc.truncated", "MRC extension header truncated",
                                   expert.group.MALFORMED, expert.severity.ERROR)
 mrc.experts = { truncated }
 
@@ -120,17 +120,27 @@ local function sacked_psns(bitmap, cum_psn)
     return psns
 end
 
+-- The extension header of `nbytes` after the BTH, under a subtree `name`: the header
+-- follows the BTH in the buffer the BTH was read from, and the ICRC follows the header
+-- at the end of the InfiniBand packet (the UDP payload). nil (and an expert note) if
+-- the packet is too short for it.
+local function extension(tree, name, nbytes)
+    local ib, bth = f_infiniband(), f_bth()
+    local offset = bth.offset + BTH_BYTES
+    if ib.offset + ib.len < offset + nbytes + ICRC_BYTES then
+        tree:add(mrc, bth.range, name):add_proto_expert_info(truncated)
+        return nil
+    end
+    local header = bth.source:range(offset, nbytes)
+    return header, tree:add(mrc, header, name)
+end
+
 local function dissect_sack(pinfo, tree)
-    local ib, bth, psn = f_infiniband(), f_bth(), f_psn()
-    -- The SACKX follows the BTH in the buffer the BTH was read from, and the ICRC
-    -- follows the SACKX at the end of the InfiniBand packet (the UDP payload).
-    local source, offset = bth.source, bth.offset + BTH_BYTES
-    if ib.offset + ib.len < offset + SACKX_BYTES + ICRC_BYTES then
-        tree:add(mrc, bth.range, "fabriclab MRC SACK"):add_proto_expert_info(truncated)
+    local psn = f_psn()
+    local sackx, subtree = extension(tree, "fabriclab MRC SACK", SACKX_BYTES)
+    if not sackx then
         return
     end
-    local sackx = source:range(offset, SACKX_BYTES)
-    local subtree = tree:add(mrc, sackx, "fabriclab MRC SACK")
     subtree:add(pf.cum_psn, psn.range)
 
     local bitmap_range = sackx:range(0, 8)
@@ -157,14 +167,11 @@ local function dissect_sack(pinfo, tree)
 end
 
 local function dissect_nack(pinfo, tree)
-    local ib, bth, psn = f_infiniband(), f_bth(), f_psn()
-    local source, offset = bth.source, bth.offset + BTH_BYTES
-    if ib.offset + ib.len < offset + NACKX_BYTES + ICRC_BYTES then
-        tree:add(mrc, bth.range, "fabriclab MRC NACK"):add_proto_expert_info(truncated)
+    local psn = f_psn()
+    local nackx, subtree = extension(tree, "fabriclab MRC NACK", NACKX_BYTES)
+    if not nackx then
         return
     end
-    local nackx = source:range(offset, NACKX_BYTES)
-    local subtree = tree:add(mrc, nackx, "fabriclab MRC NACK")
     subtree:add(pf.nack_psn, psn.range)
     subtree:add(pf.nack_ev, nackx:range(0, 2))
     subtree:add(pf.nack_code, nackx:range(2, 1))
@@ -176,14 +183,10 @@ local function dissect_nack(pinfo, tree)
 end
 
 local function dissect_probe(pinfo, tree)
-    local ib, bth = f_infiniband(), f_bth()
-    local source, offset = bth.source, bth.offset + BTH_BYTES
-    if ib.offset + ib.len < offset + PROBEX_BYTES + ICRC_BYTES then
-        tree:add(mrc, bth.range, "fabriclab MRC probe"):add_proto_expert_info(truncated)
+    local probex, subtree = extension(tree, "fabriclab MRC probe", PROBEX_BYTES)
+    if not probex then
         return
     end
-    local probex = source:range(offset, PROBEX_BYTES)
-    local subtree = tree:add(mrc, probex, "fabriclab MRC probe")
     subtree:add(pf.probe_ev, probex:range(0, 2))
     subtree:add(pf.probe_reply, probex:range(2, 1))
     local reply = math.floor(probex:range(2, 1):uint() / PROBE_FLAG_REPLY) % 2 == 1

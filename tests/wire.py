@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from topologies.fabric import Fabric, interface_name
-from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT
+from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT, Opcode
 
 FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield.ecn",
           "udp.dstport", "infiniband.bth.opcode", "infiniband.bth.destqp",
@@ -19,6 +19,7 @@ FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield
           "macc.cbfc.pause_time.c6", "macc.cbfc.pause_time.c7", "eth.src",
           "frame.len"]
 OPCODE_CNP = 129
+LAST_DATA_OPCODE = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
 MAC_CONTROL_PFC = 0x0101
 
 
@@ -42,7 +43,10 @@ class Frame:
 
     @property
     def roce_data(self) -> bool:
-        return self.udp_dst == ROCE_V2_UDP_PORT and self.dscp == DSCP_ROCE_DATA
+        """A RoCE data packet (SEND or RDMA WRITE) in the data class: not its class's
+        ACKs, SACKs, NACKs or MRC's probes (whose PSN fields number other things)."""
+        return self.udp_dst == ROCE_V2_UDP_PORT and self.dscp == DSCP_ROCE_DATA \
+            and self.opcode is not None and self.opcode <= LAST_DATA_OPCODE
 
     @property
     def nak(self) -> bool:

@@ -29,7 +29,7 @@ from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
 from traffic.constants import PRIORITY_ROCE_DATA
-from traffic.mrc import CC_MODES, MrcParams
+from traffic.mrc import CC_MODES
 
 log = logging.getLogger(__name__)
 NAME = "trimming"
@@ -156,8 +156,7 @@ def run(ctx: RunContext) -> dict:
         raise UsageError(f"trimming with {p.senders} senders needs {p.senders + 1} hosts; "
                          f"the fabric has {len(hosts)}")
     receiver, senders = hosts[0], hosts[1:p.senders + 1]
-    out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024,
-           "rto_floor_ms": MrcParams().rto_ms}
+    out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
     try:
         with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
             for variant in p.variant_list:

@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0
-/* fabriclab's per-packet switch port: ECN marking and the PFC trigger, in the kernel.
+/* fabriclab's per-packet switch port: ECN marking, packet trimming and the PFC trigger,
+ * in the kernel.
  *
  * Two tc programs per link end (lab/kernel/dataplane.py loads and attaches them):
  *   egress   on a switch port: every frame that enters the port's queues (the
  *            egress hook runs before the qdisc enqueues). It classifies the frame
- *            by DSCP as the port's u32 filters do, drops it when its priority's
+ *            by DSCP as the port's u32 filters do, trims a RoCE frame to its
+ *            headers where trimming is on and its queue is past the trim point
+ *            (trim), drops it when its priority's
  *            buffer is full (so every drop is counted here, and a frame counted
  *            as marked is a frame that is sent), marks CE with RED's probability
  *            of the average backlog, and charges a lossless frame to the port it

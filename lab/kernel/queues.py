@@ -6,7 +6,7 @@ A switch egress port (a veth end in the root namespace, which OVS sends out of):
      └ class 1:1, the link
         ├ class 1:10  priority 0, everything unmapped   ─ tbf 10: (gate) ─ bfifo
         ├ class 1:13  priority 3, RoCE data (DSCP 26)   ─ tbf 13: (gate) ─ bfifo, or red 23: (ECN)
-        └ class 1:16  priority 6, CNPs (DSCP 48)        ─ tbf 16: (gate) ─ bfifo
+        └ class 1:16  priority 6, CNPs (DSCP 48), trimmed headers (DSCP 40) ─ tbf 16: (gate) ─ bfifo
     u32 filters on the DSCP (ECN bits masked off) pick the class.
 
 Every class is bounded in bytes, so backlog and drops show (in `tc -s`, or where

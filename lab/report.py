@@ -265,7 +265,9 @@ def captures_text(result: dict) -> list[str]:
     ports = caps["ports"]
     lines = [f"- [`captures/{Path(c['file']).name}`](captures/{Path(c['file']).name}) "
              f"({c['bytes']:,} bytes" + (f"; tcpdump dropped {c['dropped_by_tcpdump']}"
-                                          if c.get("dropped_by_tcpdump") else "") + ")"
+                                          if c.get("dropped_by_tcpdump") else "")
+             + (f"; cut short at {c['packet_cap']:,} frames: raise --capture-mb"
+                if c.get("reached_cap") else "") + ")"
              for c in ports.values()]
     keeps = caps.get("keeps")
     if keeps:

@@ -13,7 +13,7 @@ from conftest import fabriclab
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
 from lab.core.errors import LabError
 from lab.experiments.common import starved
-from lab.experiments.incast import FAIRNESS_TOLERANCE
+from lab.experiments.incast import FAIRNESS_TOLERANCE, UET_VARIANTS, VARIANTS
 from lab.fabric.congestion import CongestionParams, read_state, set_congestion
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
@@ -21,7 +21,7 @@ from lab.kernel import ovs, queues, tcnl
 from topologies.fabric import Fabric, interface_name
 from topologies.registry import build_topo
 from traffic import pause
-from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_CNP, PRIORITY_ROCE_DATA
+from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_CNP, PRIORITY_ROCE_DATA, Opcode
 from traffic.packets import pause_8023x, pfc_pause, pfc_resume
 
 DSCP_TOS = {PRIORITY_ROCE_DATA: 26 << 2, PRIORITY_CNP: 48 << 2, 0: 0}
@@ -440,11 +440,12 @@ def test_drops_under_late_pauses_name_the_delay():
 
 
 # --- the experiments, small -----------------------------------------------------------
-def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf") -> dict:
-    """The incast with every port of its leaf captured; every claim held and every
-    counter the captures can count equal to their count."""
+def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf",
+               capture_mb: int = 60) -> dict:
+    """The incast with every port of its leaf captured (each up to `capture_mb`); every
+    claim held and every counter the captures can count equal to their count."""
     args = [a for kv in settings for a in ("--set", kv)]
-    r = fabriclab("run", "incast", *args, "--capture", "fl-lf0", "--capture-mb", "60",
+    r = fabriclab("run", "incast", *args, "--capture", "fl-lf0", "--capture-mb", str(capture_mb),
                   "--congestion-datapath", datapath, "--out", str(out),
                   timeout=int(400 / machine_factor))
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
@@ -473,9 +474,7 @@ def incast_counters_equal_the_wire(out) -> None:
 
     def to_recv(f):
         return f.roce_data and f.dst == recv.ip
-    for name in ("none", "ecn", "pfc", "ecn+pfc"):
-        if name not in m:
-            continue
+    for name in (v for v in VARIANTS + UET_VARIANTS if v in m):
         v, span = m[name], m[name]["counted_unix_s"]
         sent = cap.within(sender_ports, span, to_recv)
         seen = {
@@ -491,6 +490,11 @@ def incast_counters_equal_the_wire(out) -> None:
                    "xoff": v["pfc_frames_sent"]["xoff"], "xon": v["pfc_frames_sent"]["xon"],
                    "drops": v["drops_packets"] + sum(v["drops_elsewhere"].values()),
                    "retransmitted_packets": v["retransmitted_packets"]}
+        if name in UET_VARIANTS:     # RCCC's credit requests, from the senders
+            seen["credit_requests"] = cap.count(
+                sender_ports, span, lambda f: f.opcode == Opcode.MRC_CREDIT_REQUEST
+                and f.dst == recv.ip)
+            counted["credit_requests"] = v["credit_requests"]
         off = {k: (counted[k], seen[k]) for k in counted if abs(counted[k] - seen[k]) > slack}
         assert not off, f"{name}: metrics vs tshark {off} (tcpdump lost {slack})"
 
@@ -543,6 +547,23 @@ def test_incast_pfc_is_lossless(tmp_path, machine_factor):
         assert pfc["drops_elsewhere"] == {} and pfc["receiver_naks"] == 0, \
             {k: pfc[k] for k in ("drops_elsewhere", "receiver_naks", "timeouts",
                                  "retransmitted_packets", "backlog_bytes_max")}
+
+
+def test_incast_under_ultra_ethernets_congestion_control(tmp_path, machine_factor):
+    """The default 8-to-1 incast over MRC with NSCC, RCCC and both (no PFC), every claim
+    held: no drops, fair, the last flow within 5% of the port's ideal time, RCCC's queue
+    within the credit it lets out; counters (credit requests too) equal to the wire."""
+    # (three variants' data frames and their SACKs through the receiver's port: ~45k frames)
+    m = run_incast(tmp_path / "incast", machine_factor, "variants=nscc,rccc,nscc+rccc",
+                   capture_mb=100)
+    assert len(m["claims"]) == 1 + 3 * 2 + 2
+    mx = m["metrics"]
+    assert mx["nscc_base_rtt_ms"] > 0
+    for v in UET_VARIANTS:
+        assert mx[v]["transport"] == "mrc" and not mx[v]["pfc"]
+        assert (mx[v]["ecn_mode"] == "off") == (v == "rccc")
+        assert (mx[v]["credit_requests"] >= 8) == ("rccc" in v)   # one a sender at least
+    assert mx["nscc"]["ce_marked_packets"] > 0         # NSCC steers by the marks
 
 
 def test_without_bpf_the_controller_samples_and_pfc_holds_for_four_senders(tmp_path,

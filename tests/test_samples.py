@@ -18,8 +18,8 @@ from traffic import mrc, roce
 from traffic.constants import (DSCP_ROCE_DATA, DSCP_TRIMMED, MAC_CONTROL_OPCODE_PAUSE,
                                MAC_CONTROL_OPCODE_PFC, MRC_NACK_CODE_TRIMMED, MRC_SACKX_BYTES,
                                PSN_MODULUS, ROCE_V2_UDP_PORT, TRIMMED_FRAME_BYTES, Ecn, Opcode)
-from traffic.packets import (RETH, ImmDt, MrcNack, MrcSack, mrc_data, mrc_nack, mrc_sack,
-                             rc_write_packets, trimmed)
+from traffic.packets import (RETH, Endpoints, ImmDt, MrcNack, MrcSack, mrc_data, mrc_nack,
+                             mrc_sack, rc_write_packets, trimmed)
 from traffic.samples import WIRESHARK_LUA, sample_frames, write_samples
 
 needs_tshark = pytest.mark.skipif(shutil.which("tshark") is None, reason="tshark not installed")
@@ -231,6 +231,33 @@ def test_probe_bytes_are_what_the_transport_sends_and_lua_decodes_them(tmp_path)
     assert [(opcode(r), r["fabriclab_mrc.probe.ev"], flag(r["fabriclab_mrc.probe.reply"]))
             for r in rows] == [(Opcode.MRC_PROBE, "53253", False), (Opcode.MRC_PROBE, "53253",
                                                                     True)]
+    assert_decodes_clean(pcap)
+
+
+def test_credit_request_bytes_are_what_the_transport_sends_and_lua_decodes_them(tmp_path):
+    from traffic.mrc import DATA_OVERHEAD_BYTES, MrcParams, MrcQP
+    from traffic.packets import mrc_credit_request
+    from traffic.qp import Region
+    from traffic.rccc import Rccc, RcccParams
+    from traffic.roce import Path as RocePath
+    path = RocePath("02:00:00:00:00:01", "02:00:00:00:00:02", "10.0.0.1", "10.0.0.2")
+    qp = MrcQP(path, 0x33, QP, Region(1, bytearray(16)), MrcParams(cc="rccc"),
+               rccc=Rccc(RcccParams(), 10.0, DATA_OVERHEAD_BYTES + 1024))
+    qp.post_write(bytes(20 * 1024), 0, 1, tag=1)
+    [sent] = qp.on_timer(0.0)                    # 20 packets, 4 of them unsolicited: ask
+    p = roce.parse(sent, mrc.EXT_BYTES)
+    assert (p.opcode, p.psn, bytes(p.ext)) == (Opcode.MRC_CREDIT_REQUEST, 20,
+                                               struct.pack("!I", 20 * 1024))
+    theirs = mrc_credit_request(20, dst_qp=QP, ev=p.sport, backlog_bytes=20 * 1024,
+                                endpoints=Endpoints(src_mac=path.src_mac, dst_mac=path.next_hop_mac,
+                                                    src_ip=path.src_ip, dst_ip=path.dst_ip,
+                                                    src_port=p.sport))
+    assert bytes(theirs)[14 + 20 + 8:] == sent[14 + 20 + 8:]   # the RoCE part, ICRC too
+    pcap = tmp_path / "creq.pcap"
+    wrpcap(str(pcap), [theirs])
+    [row] = tshark_fields(pcap, [IB, "fabriclab_mrc.creq.psn", "fabriclab_mrc.creq.backlog"])
+    assert (opcode(row), row["fabriclab_mrc.creq.psn"], row["fabriclab_mrc.creq.backlog"]) == (
+        Opcode.MRC_CREDIT_REQUEST, "20", str(20 * 1024))
     assert_decodes_clean(pcap)
 
 

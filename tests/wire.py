@@ -104,6 +104,8 @@ class RunCaptures:
         """What tcpdump itself reported losing on these ports: the only slack allowed."""
         dropped = [self.ports[i]["dropped_by_tcpdump"] for i in intfs]
         assert None not in dropped, f"tcpdump did not report its drops: {self.ports}"
+        full = [i for i in intfs if self.ports[i].get("reached_cap")]
+        assert not full, f"captures cut short at their packet cap (raise --capture-mb): {full}"
         return sum(dropped)
 
     def host_port(self, host: str) -> str:

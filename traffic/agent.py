@@ -29,10 +29,11 @@ import numpy as np
 
 from traffic.collectives import (HierarchicalAllReduce, RingAllReduce, Transfers,
                                   TreeAllReduce)
-from traffic.mrc import EXT_BYTES, CreditPool, MrcParams, MrcQP
+from traffic.mrc import DATA_OVERHEAD_BYTES, EXT_BYTES, CreditPool, MrcParams, MrcQP
 from traffic.nic import Nic, PacketWire, drive
 from traffic.qp import Region
 from traffic.rc import RcParams, RcQP
+from traffic.rccc import Rccc, RcccParams
 from traffic.roce import Path
 
 TRANSPORTS = {"rc": (RcQP, RcParams), "mrc": (MrcQP, MrcParams)}
@@ -88,9 +89,14 @@ class Agent:
             nic.qps.clear()
             nic.rr.clear()
         qps = {}
-        extra = {}
-        if getattr(params, "credit_budget_packets", 0):
-            extra["credit_pool"] = CreditPool(params.credit_budget_packets)
+        # a receiver's credit, shared by the QPs it receives on, per NIC (its link's rate)
+        extra = {net: {} for net in self.nics}
+        for net, nic in self.nics.items():
+            if "rccc" in getattr(params, "cc", ""):
+                extra[net]["rccc"] = Rccc(RcccParams(**params.rccc), nic.rate_bps / 1e6,
+                                          DATA_OVERHEAD_BYTES + params.mtu_bytes)
+            elif getattr(params, "credit_budget_packets", 0):
+                extra[net]["credit_pool"] = CreditPool(params.credit_budget_packets)
 
         def qp_to(peer_rank: int, region: Region, network: str = "scale-out"):
             if (network, peer_rank) not in qps:
@@ -100,7 +106,7 @@ class Agent:
                     else Path(mac, p["up_mac"], ip, p["up_ip"])
                 qps[network, peer_rank] = self.nics[network].add(
                     qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank), region,
-                           params_of[network], **extra))
+                           params_of[network], **extra[network]))
             return qps[network, peer_rank]
 
         if cmd["collective"] == "allreduce":

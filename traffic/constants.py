@@ -32,11 +32,12 @@ class Opcode(IntEnum):
     RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
     ACKNOWLEDGE = 0x11
     CNP = 0x81
-    # IBA reserves 0xC0-0xFF for manufacturer-specific opcodes: the lab takes two
-    # for MRC's SACK and NACK, so no standard RoCE stack mistakes them for its own.
+    # IBA reserves 0xC0-0xFF for manufacturer-specific opcodes: the lab takes four for
+    # MRC's control packets, so no standard RoCE stack mistakes them for its own.
     MRC_SACK = 0xC1
     MRC_NACK = 0xC2
     MRC_PROBE = 0xC3
+    MRC_CREDIT_REQUEST = 0xC4
 
 
 # Transport header sizes, in bytes.
@@ -96,6 +97,12 @@ MRC_NACK_CODE_TRIMMED = 0x01
 # receiver answers on the same EV: an answer readmits the EV, no data is risked on it.
 MRC_PROBEX_BYTES = 4
 MRC_PROBE_FLAG_REPLY = 0x01
+
+# Credit request (RCCC, traffic/rccc.py): a BTH with opcode MRC_CREDIT_REQUEST (PSN =
+# the credit edge the sender wants: the PSN past its last packet) then the 4-byte CREQX
+# header: the sender's backlog in bytes (32: what it has not sent yet). The receiver
+# grants credit in its SACKs' credit field, paced at its link's rate.
+MRC_CREQX_BYTES = 4
 
 # --- IP QoS ----------------------------------------------------------------
 

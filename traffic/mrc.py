@@ -34,27 +34,35 @@ import bisect
 import struct
 from dataclasses import dataclass, field
 
-from traffic.constants import (MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
-                               MRC_MESSAGE_ID_MODULUS, MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
+from traffic.constants import (IMMDT_BYTES, MRC_CREQX_BYTES, MRC_IMM_COUNT_BITS,
+                               MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
+                               MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
                                MRC_PROBE_FLAG_REPLY, MRC_PROBEX_BYTES, MRC_SACK_BITMAP_BITS,
-                               MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, Opcode)
+                               MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, RETH_BYTES, Opcode)
 from traffic.nscc import Nscc, NsccParams
 from traffic.qp import Message, QueuePair, psn_delta
-from traffic.roce import Parsed, immdt, reth
+from traffic.rccc import Rccc, RcccParams
+from traffic.roce import WRITE_OVERHEAD_BYTES, Parsed, immdt, reth
 
 _SACKX = struct.Struct("!QHBBI")
 _NACKX = struct.Struct("!HBB")
 _PROBEX = struct.Struct("!HBB")
-CC_MODES = ("window", "nscc")
+_CREQX = struct.Struct("!I")
+# The sender's window and the receiver's credit: "window" (the lab's window, a credit
+# window from the receiver), "nscc" (Ultra Ethernet's sender window, traffic/nscc.py),
+# "rccc" (Ultra Ethernet's paced receiver credit alone, traffic/rccc.py), "nscc+rccc"
+CC_MODES = ("window", "nscc", "rccc", "nscc+rccc")
 # How a QP delivers messages (UET's delivery modes): "unordered", reliable, each message
 # complete as soon as its packets are (MRC's own); "ordered", reliable, a message
 # complete only once every one before it is (RC's promise, over the sprayed packets);
 # "unreliable", each packet sent once, never acknowledged: a message complete if all its
 # packets arrive, else never (datagrams for small messages that may be lost)
 DELIVERY_MODES = ("unordered", "ordered", "unreliable")
+# A data packet's bytes on the wire besides its payload (RETH and ImmDt on every one)
+DATA_OVERHEAD_BYTES = WRITE_OVERHEAD_BYTES + RETH_BYTES + IMMDT_BYTES
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
 EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES,
-             Opcode.MRC_PROBE: MRC_PROBEX_BYTES}                          # for roce.parse
+             Opcode.MRC_PROBE: MRC_PROBEX_BYTES, Opcode.MRC_CREDIT_REQUEST: MRC_CREQX_BYTES}                          # for roce.parse
 # An EV's states (MRC's): good (carries data), assumed_bad (retired after losses;
 # probed out of band now and then), probing (a probe is out), denied (by the user or
 # the controller: never used, never probed)
@@ -91,11 +99,13 @@ class MrcParams:
                                        # is full waits for it: without the timer, until its RTO)
     credit_budget_packets: int = 64    # receiver: packets in flight it grants all its senders
                                        # together (0: each QP its own credit_packets)
-    cc: str = "window"                 # the sender's window: "window" (the lab's own: +1 per
+    cc: str = "window"                 # one of CC_MODES. "window": the lab's own (+1 per
                                        # window of ACKs, x decrease_factor on an ECN echo, a
                                        # delay past target_delay_ms or a loss, once per RTT)
-                                       # or "nscc" (Ultra Ethernet's: traffic/nscc.py)
+                                       # with credit_packets / credit_budget_packets;
+                                       # "nscc", "rccc", "nscc+rccc": Ultra Ethernet's
     nscc: dict = field(default_factory=dict)   # NsccParams fields, for cc "nscc"
+    rccc: dict = field(default_factory=dict)   # RcccParams fields, for cc "rccc"
     line_rate_mbps: float = 0.0        # the NIC's rate (the agent sets it): NSCC's BDP
     delivery: str = "unordered"        # one of DELIVERY_MODES
 
@@ -144,9 +154,10 @@ class MrcQP(QueuePair):
     kind = "mrc"
 
     def __init__(self, path, qpn, remote_qpn, region, params: MrcParams | None = None,
-                 credit_pool: CreditPool | None = None):
+                 credit_pool: CreditPool | None = None, rccc: Rccc | None = None):
         self.params = params or MrcParams()
         self.credit_pool = credit_pool
+        self.rccc = rccc                    # the receiving host's credit scheduler (RCCC)
         super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
         p = self.params
         if len(p.evs) < p.min_active_evs:
@@ -157,9 +168,13 @@ class MrcQP(QueuePair):
             raise ValueError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got "
                              f"{p.delivery!r}")
         self.reliable = p.delivery != "unreliable"
+        if "rccc" in p.cc and rccc is None:
+            raise ValueError(f"cc={p.cc} needs the receiving host's Rccc scheduler")
         # NSCC keeps the window in bytes; self.cwnd (packets) follows it
         self.nscc = Nscc(NsccParams(**p.nscc), p.mtu_bytes, p.line_rate_mbps or 100.0,
-                         p.init_cwnd_packets * p.mtu_bytes) if p.cc == "nscc" else None
+                         p.init_cwnd_packets * p.mtu_bytes) if "nscc" in p.cc else None
+        # RCCC alone: the credit is the only limit (the window stays at its largest)
+        self.fixed_window = p.cc == "rccc"
         self.evs = [EvState(port) for port in p.evs]
         self.t0: float | None = None        # the first send: the EV history's zero
         for ev in self.evs:
@@ -182,9 +197,15 @@ class MrcQP(QueuePair):
         self.lost_sent_at: dict[int, tuple[float, bool]] = {}
         self.tx_index = 0
         self.max_acked_tx = -1
-        self.cwnd = p.init_cwnd_packets
-        # until the receiver speaks, a sender may use its share of a pooled budget
-        self.credit_limit = min(p.credit_packets, p.credit_budget_packets or p.credit_packets)
+        self.cwnd = p.max_cwnd_packets if self.fixed_window else \
+            self.nscc.cwnd / self.mtu if self.nscc else p.init_cwnd_packets
+        # until the receiver speaks, a sender may use its share of a pooled budget, or
+        # (RCCC) its unsolicited packets
+        self.credit_limit = RcccParams(**p.rccc).initial_credit_packets if rccc else \
+            min(p.credit_packets, p.credit_budget_packets or p.credit_packets)
+        self.requested = self.credit_limit  # RCCC: the edge last asked for...
+        self.requested_at = 0.0             # ...and when it asked or last got credit
+        self.stalled_since: float | None = None   # RCCC: data waiting, no credit
         self.base_rtt = None
         self.srtt = None
         self.rttvar = None
@@ -201,6 +222,7 @@ class MrcQP(QueuePair):
         self.unsacked = 0
         self.unsacked_since: float | None = None   # the oldest packet not answered yet
         self.unsacked_sport = 0
+        self.last_sport = 0                # the EV the sender's last packet came on
         self.granted = self.credit_limit   # the credit edge the sender last heard (a seq)
 
     # --- sender ---------------------------------------------------------------------
@@ -217,8 +239,31 @@ class MrcQP(QueuePair):
             return True
         if not self.reliable:              # datagrams: as fast as the NIC paces them
             return self.snd_nxt < self.snd_end
-        return (self.snd_nxt < self.snd_end and len(self.inflight) < self.cwnd
-                and self.snd_nxt < self.credit_limit)
+        if self.snd_nxt >= self.snd_end or len(self.inflight) >= self.cwnd:
+            return False
+        if self.snd_nxt < self.credit_limit:
+            return True
+        if self.stalled_since is None:     # data to send, no credit for it
+            self.stalled_since = now
+        return False
+
+    def _request_due(self) -> float | None:
+        """RCCC: when the sender asks for credit: at once for data beyond what it
+        asked for; again when it has waited a timeout for credit and heard none since it
+        asked or last got some (the request or its answers may have been lost)."""
+        if self.rccc is None or not self.reliable or self.snd_end <= self.credit_limit:
+            return None
+        if self.snd_end > self.requested:
+            return 0.0
+        return self.requested_at + self.rto_s if self.snd_nxt >= self.credit_limit else None
+
+    def _credit_request(self, now: float) -> bytes:
+        self.requested, self.requested_at = self.snd_end, now
+        self.counters.credit_requests_sent += 1
+        backlog = (self.snd_end - self.snd_nxt) * self.mtu
+        return self.ctrl_framer.frame(self._pick_ev(now).port, Opcode.MRC_CREDIT_REQUEST,
+                                      self.remote_qpn, self.snd_end,
+                                      ext=_CREQX.pack(min(backlog, 0xFFFFFFFF)))
 
     def active_evs(self) -> list[EvState]:
         """The EVs that carry data."""
@@ -301,7 +346,17 @@ class MrcQP(QueuePair):
         if len(self.good_evs) < len(self.evs):
             due += [self._probe_due(ev) for ev in self.evs
                     if ev.status in ("assumed_bad", "probing")]
+        if self.rccc is not None:
+            due += [t for t in (self._request_due(), self._grant_due()) if t is not None]
         return min(due) if due else None
+
+    def _grant_due(self) -> float | None:
+        """RCCC, receiving: credit the sender has not heard of is told at once; else the
+        scheduler's next grant, if it is this QP's."""
+        if self.rccc.edge_of(self.qpn) > self.granted:
+            return 0.0
+        nxt = self.rccc.next_grant()
+        return nxt[1] if nxt is not None and nxt[0] == self.qpn else None
 
     def _probe_due(self, ev: EvState) -> float:
         """When an assumed-bad EV gets its next probe, or a probe out its answer."""
@@ -324,6 +379,14 @@ class MrcQP(QueuePair):
             self._lost(f, now)
         if len(self.good_evs) < len(self.evs):
             out += self._probe(now)
+        if self.rccc is not None:
+            due = self._request_due()
+            if due is not None and due <= now:
+                out.append(self._credit_request(now))
+            self.rccc.advance(now)
+            if self.rccc.edge_of(self.qpn) > self.granted:
+                self.counters.credit_sacks_sent += 1
+                out.append(self._sack(self.last_sport, False, now))
         return out
 
     def _probe(self, now: float) -> list[bytes]:
@@ -373,8 +436,9 @@ class MrcQP(QueuePair):
         self._decrease(now)
 
     def _decrease(self, now: float) -> None:
-        """The lab's own window ("window"): NSCC decides for itself."""
-        if self.nscc:
+        """The lab's own window ("window"): NSCC decides for itself; RCCC alone keeps
+        the window at its largest (the credit paces the sender)."""
+        if self.nscc or self.fixed_window:
             return
         rtt = self.srtt or self.params.rto_ms / 1000
         if now - self.last_decrease >= rtt:
@@ -405,7 +469,7 @@ class MrcQP(QueuePair):
             f.ev.failures = 0
             if not f.resent:   # (which sending arrived is not known: the first, maybe)
                 self.max_acked_tx = max(self.max_acked_tx, f.tx_index)
-            if not self.nscc:
+            if not self.nscc and not self.fixed_window:
                 self.cwnd = min(self.params.max_cwnd_packets, self.cwnd + 1 / self.cwnd)
         if self.nscc and newly:
             self.nscc.on_ack(len(newly) * self.mtu, timed, bool(flags & MRC_SACK_FLAG_ECN_ECHO),
@@ -414,8 +478,13 @@ class MrcQP(QueuePair):
         if cum > self.snd_cum:
             self.snd_cum = cum
             self.retire_acked(cum)
-        self.credit_limit = max(self.credit_limit,
-                                self.snd_cum + psn_delta(credit, self.snd_cum))
+        edge = self.snd_cum + psn_delta(credit, self.snd_cum)
+        if edge > self.credit_limit:
+            self.credit_limit, self.requested_at = edge, now
+            if self.stalled_since is not None:
+                self.counters.credit_stalled_ms = round(
+                    self.counters.credit_stalled_ms + (now - self.stalled_since) * 1e3, 3)
+                self.stalled_since = None
         if flags & MRC_SACK_FLAG_ECN_ECHO:
             self.ecn_echoes += 1
             self._decrease(now)
@@ -454,6 +523,7 @@ class MrcQP(QueuePair):
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.rto_s = self.srtt + max(self.params.rto_ms / 1000, 4 * self.rttvar)
         self.counters.srtt_ms = round(self.srtt * 1e3, 3)
+        self.counters.min_rtt_ms = round(self.base_rtt * 1e3, 3)
         if rtt - self.base_rtt > self.params.target_delay_ms / 1000:
             self._decrease(now)
 
@@ -467,12 +537,15 @@ class MrcQP(QueuePair):
             return []
         if p.opcode == Opcode.MRC_PROBE:
             return self._on_probe(p, now)
+        if p.opcode == Opcode.MRC_CREDIT_REQUEST:
+            return self._on_credit_request(p, now)
         if p.opcode != Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE or p.imm is None:
             raise ValueError(f"opcode {p.opcode:#x} is not MRC data")
         if p.trimmed:
             return self._on_trimmed(p) if self.reliable else []
         if not self.reliable:
             return self._on_datagram(p)
+        self.last_sport = p.sport
         self.counters.received += 1
         self.counters.ecn_marked += p.ce
         seq = self.rcv_cum + psn_delta(p.psn, self.rcv_cum)
@@ -484,6 +557,8 @@ class MrcQP(QueuePair):
             self.region.place(p.va, p.payload)
             self.counters.bytes_delivered += len(p.payload)
             self.rcv_seen.add(seq)
+            if self.rccc is not None:
+                self.rccc.arrival(self.qpn)
             while self.rcv_cum in self.rcv_seen:
                 self.rcv_seen.discard(self.rcv_cum)
                 self.rcv_cum += 1
@@ -513,6 +588,18 @@ class MrcQP(QueuePair):
             self.unsacked_sport = p.sport
             return []
         return [self._sack(p.sport, p.ce, now)]
+
+    def _on_credit_request(self, p: Parsed, now: float) -> list[bytes]:
+        """RCCC: a sender wants credit up to the edge in the PSN; answered at once with
+        what it has (a repeated request: the answer before was lost), and with the rest
+        as the scheduler grants it (on_timer)."""
+        self.counters.credit_requests_received += 1
+        self.last_sport = p.sport
+        if self.rccc is None:
+            return []
+        self.rccc.request(self.qpn, self.rcv_cum + psn_delta(p.psn, self.rcv_cum), now)
+        self.counters.credit_sacks_sent += 1
+        return [self._sack(p.sport, False, now)]
 
     def _on_datagram(self, p: Parsed) -> list[bytes]:
         """Unreliable delivery: placed, counted, never answered."""
@@ -551,9 +638,13 @@ class MrcQP(QueuePair):
             if 0 <= s - base < MRC_SACK_BITMAP_BITS:
                 bitmap |= 1 << (s - base)
         flags = MRC_SACK_FLAG_ECN_ECHO if ce else 0
-        grant = self.credit_pool.grant(self.qpn, now) if self.credit_pool \
-            else self.params.credit_packets
-        self.granted = self.rcv_cum + grant
+        if self.rccc is not None:
+            self.rccc.advance(now)
+            self.granted = self.rccc.edge_of(self.qpn)
+        else:
+            grant = self.credit_pool.grant(self.qpn, now) if self.credit_pool \
+                else self.params.credit_packets
+            self.granted = self.rcv_cum + grant
         credit = self.granted & 0xFFFFFF
         self.counters.acks_sent += 1
         # on the EV the answered packet came on: SACKs spread over the paths as the data

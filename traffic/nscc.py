@@ -74,6 +74,8 @@ class Nscc:
                          or TARGET_QUEUE_BYTES / self.rate_bytes_s)
         self.base_rtt_s = params.base_rtt_ms / 1e3 or None
         self.cwnd = float(init_cwnd_bytes)
+        self._clamp()                    # the first window too: a configured base RTT
+        # makes max_cwnd small, and 8 senders' first windows would overflow the port
         self.avg_delay_s = 0.0
         self.inc_bytes = 0.0             # gathered increases, applied at the adjustment
         self.adjust_acked = 0

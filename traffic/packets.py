@@ -362,3 +362,23 @@ def mrc_probe(number: int, *, dst_qp: int, ev: int, reply: bool = False,
     return (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.NOT_ECT)
             / BTH(opcode=Opcode.MRC_PROBE, dqpn=dst_qp, psn=number % PSN_MODULUS)
             / MrcProbe(ev=ev, flags=MRC_PROBE_FLAG_REPLY if reply else 0))
+
+
+class MrcCreditRequest(Packet):
+    """CREQX: what the sender has not sent yet (RCCC asks the receiver for credit: the
+    BTH PSN is the credit edge it wants, the PSN after its last packet).
+    Byte layout, big-endian: 0-3 backlog in bytes."""
+    name = "MRC CREQX"
+    fields_desc = [IntField("backlog", 0)]
+
+
+bind_bottom_up(BTH, MrcCreditRequest, opcode=Opcode.MRC_CREDIT_REQUEST)
+
+
+def mrc_credit_request(wanted_psn: int, *, dst_qp: int, ev: int, backlog_bytes: int,
+                       endpoints: Endpoints = DEFAULT_ENDPOINTS) -> Packet:
+    """An MRC credit request to the receiver of QP `dst_qp`: credit up to `wanted_psn`
+    for the `backlog_bytes` not yet sent; sent on EV `ev`, like data."""
+    return (_roce_udp(replace(endpoints, src_port=ev), DSCP_ROCE_DATA, Ecn.NOT_ECT)
+            / BTH(opcode=Opcode.MRC_CREDIT_REQUEST, dqpn=dst_qp, psn=wanted_psn % PSN_MODULUS)
+            / MrcCreditRequest(backlog=backlog_bytes))

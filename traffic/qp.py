@@ -50,6 +50,11 @@ class Counters:
                                         # sending to its resending (MRC)
     resend_delay_ms_sum: float = 0.0    # ...and all of them together (a mean)
     srtt_ms: float = 0.0            # the sender's smoothed round trip, last (MRC)
+    min_rtt_ms: float = 0.0         # ...and its least (MRC)
+    credit_requests_sent: int = 0   # RCCC: the sender asked for credit...
+    credit_requests_received: int = 0   # ...the receiver heard it
+    credit_sacks_sent: int = 0      # SACKs a receiver sent only to grant credit
+    credit_stalled_ms: float = 0.0  # a sender had data but no credit this long (RCCC)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

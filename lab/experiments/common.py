@@ -27,6 +27,16 @@ def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
             "rto_ms": max(50.0, 4 * drain_ms * path_queues)}
 
 
+def idle_rtt_ms(gpus, src: str, dst: str, nbytes: int = 32 * 1024) -> float:
+    """The least round trip of an MRC data packet and its SACK between two hosts on the
+    idle fabric: NSCC's base RTT. A real NIC is configured with its fabric's unloaded
+    round trip; taking the least seen under load instead (all senders start at once)
+    would count the first packets' queueing as the base, and NSCC would steer to a queue
+    that much longer than its target (measured here: 26 KB for a 12 KB target)."""
+    [flow] = gpus.transfers([(src, dst, nbytes)], "mrc", params={"credit_budget_packets": 0})
+    return flow["counters"]["min_rtt_ms"]
+
+
 def traffic_timeout_s(nbytes: float, rate_mbps: float) -> float:
     """How long to wait for traffic that puts `nbytes` through a `rate_mbps` bottleneck:
     TIMEOUT_IDEALS times the ideal, MIN_TIMEOUT_S at least. A fixed limit that covers the

@@ -10,6 +10,12 @@ Four variants, one after another on the same fabric:
   pfc       the switch pauses its upstream (here: the senders) before the queue
             overflows: no drops, at the price of pause frames
   ecn+pfc   both: ECN keeps the queue short, PFC catches what slips through
+Beside them, on request (`--set variants=...`), Ultra Ethernet's congestion control
+over MRC (no PFC: UET's lossy fabric), each against the same port:
+  nscc      NSCC, the sender's window from queueing delay and ECN (traffic/nscc.py)
+  rccc      RCCC, the receiver's credit paced at its link's rate (traffic/rccc.py);
+            no ECN: the last hop is the receiver's own link, which the credit governs
+  nscc+rccc both: NSCC's window, within the receiver's credit
 Everything is read from the kernel's queues (telemetry), the controller's
 counters and the senders' transports.
 """
@@ -22,14 +28,17 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rate, rc_params,
-                                    sender_rates, starved, traffic_timeout_s)
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, idle_rtt_ms, rate,
+                                    rc_params, sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams, events, read_state, set_congestion
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
+from traffic.mrc import DATA_OVERHEAD_BYTES
+from traffic.rccc import RcccParams
+from traffic.roce import WRITE_OVERHEAD_BYTES
 
 log = logging.getLogger(__name__)
 NAME = "incast"
@@ -38,8 +47,10 @@ DESCRIPTION = "N hosts send to one at full rate: drops, then ECN (DCQCN), PFC, E
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 9,
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
                                     "rate_scale": 10000}}
-VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
+VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")                # RC with DCQCN: the default
+UET_VARIANTS = ("nscc", "rccc", "nscc+rccc")                # MRC: on request
 FAIRNESS_TOLERANCE = 0.20
+UET_IDEAL_TOLERANCE = 0.05   # NSCC/RCCC: the last flow's completion over the port's ideal
 STEADY_FROM = 0.5
 DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-table misses
 
@@ -71,10 +82,10 @@ class Params:
     none_time_limit_s: float = 8.0
 
     def validate(self) -> None:
-        bad = set(self.variant_list) - set(VARIANTS)
+        bad = set(self.variant_list) - set(VARIANTS + UET_VARIANTS)
         if bad:
             raise UsageError(f"unknown incast variant(s) {sorted(bad)}; choose from "
-                             f"{', '.join(VARIANTS)}")
+                             f"{', '.join(VARIANTS + UET_VARIANTS)}")
         if self.ecn not in ("auto", "red", "bpf", "controller"):
             raise UsageError("ecn must be auto, red, bpf or controller "
                              "(the 'none' variant is 'off')")
@@ -86,7 +97,10 @@ class Params:
         return [v.strip() for v in self.variants.split(",") if v.strip()]
 
     def congestion(self, variant: str) -> CongestionParams:
-        return CongestionParams(ecn=self.ecn if "ecn" in variant else "off",
+        """The switches' side: ECN for DCQCN's variants and NSCC's (it reads the marks);
+        PFC for the variants that say so."""
+        marks = "ecn" in variant or "nscc" in variant
+        return CongestionParams(ecn=self.ecn if marks else "off",
                                 kmin_kb=self.kmin_kb, kmax_kb=self.kmax_kb, pmax=self.pmax,
                                 pfc="pfc" in variant, xoff_kb=self.xoff_kb,
                                 xon_kb=self.xon_kb, pfc_response_ms=self.pfc_response_ms,
@@ -181,7 +195,7 @@ def headroom(net, state: dict, port, p: Params, delivery_ms: dict) -> dict:
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
-                senders: list[str]) -> dict:
+                senders: list[str], base_rtt_ms: float | None = None) -> dict:
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
     mode = set_congestion(net, p.congestion(variant))
@@ -190,10 +204,17 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     scale = rc["rate_scale"]
     limited = variant == "none"
     lost0 = ovs.datapath_lost_packets()
-    log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB -> {receiver}")
+    uet = variant in UET_VARIANTS
+    # MRC with Ultra Ethernet's control alone: no pooled credit of the lab's own
+    transport, params = ("mrc", {"cc": variant, "credit_budget_packets": 0}) if uet \
+        else ("rc", rc)
+    if "nscc" in variant:
+        params["nscc"] = {"base_rtt_ms": base_rtt_ms}
+    log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over {transport.upper()} "
+             f"-> {receiver}")
     t0 = time.time()
-    flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], "rc",
-                           params=rc, allow_timeout=limited,
+    flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], transport,
+                           params=params, allow_timeout=limited,
                            timeout_s=p.none_time_limit_s if limited
                            else traffic_timeout_s(len(senders) * p.flow_kb * 1024, recv_if.rate_mbps))
     t1 = time.time()
@@ -220,6 +241,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     goodputs = sender_goodputs(flows, *steady)
     held = ctx.telemetry.summary(*steady).get(key, {})   # what the queue holds once settled
     fair = sum(goodputs.values()) / len(senders)
+    packets = len(senders) * -(-p.flow_kb * 1024 // DEFAULT_MTU_BYTES)
+    ideal_s = packets * (DEFAULT_MTU_BYTES + (DATA_OVERHEAD_BYTES if uet else
+                                              WRITE_OVERHEAD_BYTES)) * 8 / (recv_if.rate_mbps * 1e6)
     # RED counts in the kernel (telemetry); the data path and the controller count
     # each mark (the controller when a marking period ends: after the run has settled)
     marks = q.get("ce_marked_packets", 0) if mode == "red" else \
@@ -265,9 +289,17 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "delivered_fraction": round(sum(f["receiver_counters"]["bytes_delivered"] for f in flows)
                                     / (len(flows) * p.flow_kb * 1024), 3),
         "completion_s_max": round(max(finished), 3) if len(finished) == len(flows) else None,
+        # the last flow's completion over the time the port takes to carry every frame
+        "completion_vs_ideal": round(max(finished) / ideal_s, 3)
+        if len(finished) == len(flows) else None,
+        "credit_requests": sum(f["counters"]["credit_requests_sent"] for f in flows),
+        "credit_stalled_ms_mean": round(sum(f["counters"]["credit_stalled_ms"] for f in flows)
+                                        / len(flows), 1),
         "elapsed_s": round(t1 - t0, 3),
         "all_intact": all(f["intact"] is not False for f in flows),
-        "rc_params": {k: round(v, 1) for k, v in rc.items()},
+        "transport": transport,
+        **({"mrc_params": params} if uet else
+           {"rc_params": {k: round(v, 1) for k, v in rc.items()}}),
     }
 
 
@@ -276,8 +308,13 @@ def run(ctx: RunContext) -> dict:
     receiver, senders = choose_hosts(ctx)
     out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
     with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
+        if any("nscc" in v for v in p.variant_list):   # before any variant loads the fabric
+            out["nscc_base_rtt_ms"] = idle_rtt_ms(gpus, senders[0], receiver)
+            log.info(f"NSCC's base RTT, measured on the idle fabric: "
+                     f"{out['nscc_base_rtt_ms']:.2f} ms")
         for variant in p.variant_list:
-            m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
+            m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders,
+                                           out.get("nscc_base_rtt_ms"))
             h = m["headroom"]
             if h and h["needed_bytes"] is not None:
                 measured = [f"XOFF to a sender's NIC max {h['measured_delivery_ms_max']} ms"
@@ -352,4 +389,25 @@ def claims(params: Params, m: dict) -> list[Claim]:
         v = m["ecn+pfc"]
         out.append(Claim("ecn+pfc: no drops at the bottleneck", v["drops_packets"] == 0,
                          v["drops_packets"], "== 0", "packets"))
+    for name in (v for v in UET_VARIANTS if v in m):
+        v = m[name]
+        out += [
+            Claim(f"{name}: no drops at the bottleneck, every sender within "
+                  f"{FAIRNESS_TOLERANCE:.0%} of the fair share",
+                  v["drops_packets"] == 0 and v["max_deviation_from_fair"] is not None
+                  and v["max_deviation_from_fair"] <= FAIRNESS_TOLERANCE,
+                  {"drops": v["drops_packets"], "deviation": v["max_deviation_from_fair"]},
+                  f"drops == 0, deviation <= {FAIRNESS_TOLERANCE}"),
+            Claim(f"{name}: the last flow done within {UET_IDEAL_TOLERANCE:.0%} of the "
+                  f"port's ideal time", v["completion_vs_ideal"] is not None
+                  and v["completion_vs_ideal"] <= 1 + UET_IDEAL_TOLERANCE,
+                  v["completion_vs_ideal"], f"<= {1 + UET_IDEAL_TOLERANCE}", "x ideal"),
+        ]
+        if "rccc" in name:
+            cap = RcccParams().max_outstanding_packets * (DEFAULT_MTU_BYTES
+                                                          + DATA_OVERHEAD_BYTES)
+            out.append(Claim(f"{name}: the receiver's credit holds the last-hop queue "
+                             f"(p99) within the credit it lets out",
+                             v["backlog_bytes_p99"] <= cap, v["backlog_bytes_p99"],
+                             f"<= {cap} bytes", "bytes"))
     return out

@@ -40,6 +40,7 @@ FILTERS = {
     "RoCE data frames": "udp.dstport == 4791 && infiniband.bth.opcode < 64",
     "trimmed headers": f"udp.dstport == 4791 && ip.dsfield.dscp == {DSCP_TRIMMED}",
     "MRC NACKs": f"infiniband.bth.opcode == {Opcode.MRC_NACK:#x}",
+    "MRC credit requests": f"infiniband.bth.opcode == {Opcode.MRC_CREDIT_REQUEST:#x}",
 }
 # a pcap-filter keeping all but the unmarked RoCE data frames (DSCP 26, ECN not CE): what
 # shows marks, CNPs, ACKs/NAKs and pauses in a fraction of the bytes
@@ -86,6 +87,7 @@ class Captures:
         self.max_packets = max(100, int(max_mb * 1e6 / frame))
         self.procs: dict[str, subprocess.Popen] = {}
         self.dropped: dict[str, int | None] = {}     # by tcpdump itself (None: unknown)
+        self.reached_cap: dict[str, bool] = {}       # stopped at max_packets: cut short
 
     def __enter__(self) -> "Captures":
         self.outdir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +111,9 @@ class Captures:
 
     def __exit__(self, *exc) -> None:
         self.settle()
-        for proc in self.procs.values():
+        for intf, proc in self.procs.items():
+            # a tcpdump that ended by itself took its -c packets: the rest went unrecorded
+            self.reached_cap[intf] = proc.poll() is not None
             if proc.poll() is None:
                 proc.terminate()
         for intf, proc in self.procs.items():
@@ -142,6 +146,7 @@ class Captures:
     def summary(self) -> dict[str, dict]:
         return {intf: {"file": str(self.path(intf)), "bytes": self.path(intf).stat().st_size
                        if self.path(intf).exists() else 0, "packet_cap": self.max_packets,
+                       "reached_cap": self.reached_cap.get(intf, False),
                        "dropped_by_tcpdump": self.dropped.get(intf),
                        "counts": count(self.path(intf), FILTERS)}
                 for intf in self.intfs}

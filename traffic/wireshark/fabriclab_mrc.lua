@@ -11,6 +11,8 @@
 --   * on a SACK: the 16-byte SACKX header that follows the BTH;
 --   * on a NACK (0xC2): the 4-byte NACKX header (EV, code: 1 = the packet was trimmed);
 --   * on a probe (0xC3): the 4-byte PROBEX header (the EV probed, flags: 1 = the answer);
+--   * on a credit request (0xC4, RCCC): the 4-byte CREQX header (the sender's backlog in
+--     bytes; the BTH PSN is the credit edge it asks for);
 --   * on an MRC data packet: the immediate read as message id and packets in the
 --     message, a lab convention and not standard RDMA. MRC data is an RDMA WRITE ONLY
 --     WITH IMMEDIATE that does not ask for an ACK; an RC one ends a message and does.
@@ -26,6 +28,8 @@ local OPCODE_MRC_NACK = 0xC2        -- Opcode.MRC_NACK
 local OPCODE_MRC_PROBE = 0xC3       -- Opcode.MRC_PROBE
 local PROBEX_BYTES = 4              -- MRC_PROBEX_BYTES
 local PROBE_FLAG_REPLY = 0x01       -- MRC_PROBE_FLAG_REPLY
+local OPCODE_MRC_CREDIT_REQUEST = 0xC4   -- Opcode.MRC_CREDIT_REQUEST
+local CREQX_BYTES = 4               -- MRC_CREQX_BYTES
 local DSCP_TRIMMED = 40             -- DSCP_TRIMMED
 local NACKX_BYTES = 4               -- MRC_NACKX_BYTES
 local NACK_CODES = { [1] = "trimmed" }   -- MRC_NACK_CODE_TRIMMED
@@ -64,6 +68,10 @@ local pf = {
     probe_ev = ProtoField.uint16("fabriclab_mrc.probe.ev", "Entropy value probed", base.DEC),
     probe_reply = ProtoField.bool("fabriclab_mrc.probe.reply", "Answer (the EV works)", 8, nil,
                                   PROBE_FLAG_REPLY),
+    creq_psn = ProtoField.uint24("fabriclab_mrc.creq.psn", "Credit wanted (PSNs below it)",
+                                 base.DEC),
+    creq_backlog = ProtoField.uint32("fabriclab_mrc.creq.backlog", "Backlog (bytes not sent yet)",
+                                     base.DEC),
 }
 mrc.fields = pf
 
@@ -195,6 +203,18 @@ local function dissect_probe(pinfo, tree)
                                       probex:range(0, 2):uint(), f_psn().value))
 end
 
+local function dissect_credit_request(pinfo, tree)
+    local psn = f_psn()
+    local creqx, subtree = extension(tree, "fabriclab MRC credit request", CREQX_BYTES)
+    if not creqx then
+        return
+    end
+    subtree:add(pf.creq_psn, psn.range)
+    subtree:add(pf.creq_backlog, creqx:range(0, 4))
+    pinfo.cols.info:set(string.format("MRC credit request QP=0x%06x up to PSN %d, backlog %d bytes",
+                                      f_destqp().value, psn.value, creqx:range(0, 4):uint()))
+end
+
 -- A trimmed packet: its headers as the sender wrote them, nothing after.
 local function dissect_trimmed(pinfo, tree, opcode, ev)
     local bth = f_bth()
@@ -228,6 +248,8 @@ function mrc.dissector(tvb, pinfo, tree)
         dissect_nack(pinfo, tree)
     elseif opcode.value == OPCODE_MRC_PROBE then
         dissect_probe(pinfo, tree)
+    elseif opcode.value == OPCODE_MRC_CREDIT_REQUEST then
+        dissect_credit_request(pinfo, tree)
     elseif opcode.value == OPCODE_MRC_DATA then
         dissect_data(pinfo, tree, sport)   -- a data packet's source port is its EV
     end

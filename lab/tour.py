@@ -47,10 +47,14 @@ CHAPTERS = (
             "step; background incast into one GPU raises the idle fraction and ECN removes "
             "its losses; when RC's pinned flows collide on a spine the GPUs wait longer, and "
             "spraying (MRC) takes that wait away."),
-    Chapter("Incast jams a port: drops, then ECN, then PFC", "incast", (),
+    Chapter("Incast jams a port: drops, then ECN, then PFC, then Ultra Ethernet", "incast",
+            ("variants=none,ecn,pfc,ecn+pfc,nscc,rccc,nscc+rccc",),
             "Eight hosts send to one. Without control the port's queue overflows and RC's "
             "go-back-N collapses; ECN marks + DCQCN share the port fairly with a short queue; "
-            "PFC pauses the senders and nothing is dropped."),
+            "PFC pauses the senders and nothing is dropped. Then Ultra Ethernet's way, over "
+            "MRC without PFC: NSCC steers each sender's window by queueing delay and ECN, "
+            "and the receiver's credit (RCCC) lets the senders send only as fast as its own "
+            "link takes, which keeps the last hop's queue to a few frames."),
     Chapter("PFC spreads: a victim that shares no port with the incast", "pfc-spreading", (),
             "Pause frames travel upstream hop by hop and stop a flow that only shares a "
             "switch with the incast; ECN slows only the flows that cause the congestion."),

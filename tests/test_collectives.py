@@ -7,6 +7,7 @@ import pytest
 
 import wire
 from conftest import fabriclab, requires_root
+from lab.experiments import ecmp_vs_spray
 from lab.fabric.capture import FRAME_BYTES_BOUND
 from topologies.fabric import Fabric, interface_name
 
@@ -64,6 +65,11 @@ def test_ecmp_vs_spray(tmp_path):
     assert len(spread) == 4 and min(spread) > 0.9 * sum(spread) / 4
     # RC data crossed the uplinks as often as it was resent: never less than the payload
     assert sum(mx["rc"]["bytes_per_spine_uplink"]) >= 8 * 1e6
+    # with PFC the pinned flows lose nothing and resend nothing: what is left is the
+    # collision (the claims say spraying still finishes sooner)
+    lossless = mx["rc+pfc"]
+    assert lossless["drops_packets"] == 0 == lossless["retransmitted_packets"]
+    assert lossless["imbalance_max_over_mean"] > 1.0 and lossless["slowest_vs_ideal"] >= 1.0
     leaf_counters_equal_the_wire(out)
 
 
@@ -82,7 +88,7 @@ def leaf_counters_equal_the_wire(out) -> None:
     host_ports = [interface_name(i.switch, i.port) for i in hosts]
     uplinks = [interface_name("fl-lf0", p) for p in range(1, 5)]
     slack = cap.tcpdump_dropped(cap.ports)
-    for name in ("rc", "mrc_hash", "mrc_explicit"):
+    for name in ecmp_vs_spray.VARIANTS:
         v, span = m[name], m[name]["counted_unix_s"]
         sent = cap.within(host_ports, span, lambda f: f.src in mine and f.roce_data)
         seen = {"retransmitted_packets": wire.repeats(sent),

@@ -218,6 +218,7 @@ def test_probe_bytes_are_what_the_transport_sends_and_lua_decodes_them(tmp_path)
     ev = qp.evs[2]
     ev.retired_at = 0.0
     qp.set_ev(ev, "assumed_bad", 0.0, "losses")
+    qp.post_write(bytes(1024), 0, 1, tag=1)      # (a QP probes while it has data)
     [sent] = qp.on_timer(10.0)                   # its probe is due
     p = roce.parse(sent, mrc.EXT_BYTES)
     assert (p.opcode, p.sport, bytes(p.ext)) == (Opcode.MRC_PROBE, ev.port,

@@ -6,6 +6,7 @@ import pytest
 import wire
 from conftest import fabriclab
 from topologies.fabric import Fabric
+from traffic.constants import Opcode
 
 
 def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path):
@@ -49,7 +50,8 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, 
                   "--set", f"flow_kb={pace.kb(900)}", "--set", f"allreduce_kb={pace.kb(512)}",
                   "--set", f"fail_after_s={pace.s(0.4)}",
                   "--set", f"reroute_delay_ms={reroute_s * 1000:g}", "--out", str(out),
-                  timeout=600)
+                  *(["--capture", "fl-lf0", "--capture-mb", "40"] if workload == "transfer"
+                    else []), timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     rc, mrc = m["rc"], m["mrc"]
@@ -61,6 +63,26 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, 
     assert mrc["stall_s"] < 0.5 * rc["stall_s"], r.stdout
     assert mrc["completion_s"] < rc["completion_s"], r.stdout
     assert mrc["evs_retired"] >= 1
+    if workload == "transfer":
+        probes_equal_the_wire(out, mrc)
+
+
+def probes_equal_the_wire(out, mrc: dict) -> None:
+    """MRC's out-of-band probes (opcode 0xC3) on the sender's port against its EVs'
+    histories: a probe frame from the sender for each "probe sent", and an answer from
+    the receiver for each "probe answered" (an answer that came after its probe was
+    given up is on the wire too, not in the history). Exact, but for what tcpdump
+    reports it lost itself."""
+    cap = wire.RunCaptures(out)
+    src, dst = (cap.fabric.host(h).interface() for h in cap.metrics["hosts"])
+    port = cap.host_port(cap.metrics["hosts"][0])
+    slack = cap.tcpdump_dropped([port])
+    probes = [f for f in cap.frames[port] if f.opcode == Opcode.MRC_PROBE]
+    sent = sum(f.src == src.ip for f in probes)
+    answers = sum(f.src == dst.ip for f in probes)
+    whys = [c["why"] for c in mrc["ev_changes"]]
+    assert abs(sent - whys.count("probe sent")) <= slack, (sent, whys)
+    assert answers + slack >= whys.count("probe answered"), (answers, whys)
 
 
 def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):

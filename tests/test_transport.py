@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from traffic.constants import PSN_MODULUS, TRIMMED_FRAME_BYTES
+from traffic.constants import PSN_MODULUS, TRIMMED_FRAME_BYTES, Opcode
 from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
 from traffic.nic import Nic, SocketWire
 from traffic.qp import Region
@@ -50,9 +50,9 @@ def pump(nics, done, timeout_s=20.0):
             nic.timers(now)
 
 
-def pair(kind, drop=lambda f: False, mark=lambda f: f, **params):
+def pair(kind, drop=lambda f: False, mark=lambda f: f, rate_mbps=800, **params):
     wa, wb = link(drop, mark)
-    nic_a, nic_b = Nic(wa, 800, EXT_BYTES), Nic(wb, 800, EXT_BYTES)
+    nic_a, nic_b = Nic(wa, rate_mbps, EXT_BYTES), Nic(wb, rate_mbps, EXT_BYTES)
     region = Region(rkey=7, buf=bytearray(1 << 20))
     cls, pcls = (RcQP, RcParams) if kind == "rc" else (MrcQP, MrcParams)
     qa = nic_a.add(cls(A, 0x101, 0x102, None, pcls(**params)))
@@ -154,22 +154,21 @@ def test_mrc_retires_a_dead_ev_and_keeps_going():
 
 def test_mrc_probes_an_assumed_bad_ev_out_of_band_and_readmits_it():
     """While the path of EV 0xF003 is dead, its probes go unanswered and no data is sent
-    on it; once the path is back, a probe is answered and the EV carries data again."""
+    on it; once the path is back, a probe is answered and the EV carries data again.
+    (8 Mb/s: the message lasts ~1 s, and probes go out only while a QP has data.)"""
     dead, path_down = 0xF003, [True]
 
     def drop(frame):
         return path_down[0] and int.from_bytes(frame[34:36], "big") == dead
-    nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop, ev_probe_after_ms=20)
-    qa.post_write(os.urandom(300 * 1024), region.base_va, 7, tag=1)
+    nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop, rate_mbps=8, ev_probe_after_ms=20)
+    qa.post_write(os.urandom(1000 * 1024), region.base_va, 7, tag=1)
     ev = {e.port: e for e in qa.evs}[dead]
-    pump([nic_a, nic_b], lambda: any(e[0] == "received" for e in qb.events)
-         and any(h[2] == "probe unanswered" for h in ev.history))
+    pump([nic_a, nic_b], lambda: any(h[2] == "probe unanswered" for h in ev.history))
     sent_while_down, probes_while_down = ev.sent, ev.probes
     assert ev.status in ("assumed_bad", "probing") and ev.retirements == 1
     path_down[0] = False
     pump([nic_a, nic_b], lambda: ev.status == "good")           # the next probe is answered
-    qa.post_write(os.urandom(300 * 1024), region.base_va, 7, tag=2)
-    pump([nic_a, nic_b], lambda: qa.idle() and sum(e[0] == "received" for e in qb.events) == 2)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
     assert ev.status == "good" and ev.sent > sent_while_down     # readmitted, carrying data
     states = [h[1] for h in ev.history]
     assert states[0] == "assumed_bad" and states[-2:] == ["probing", "good"]
@@ -178,6 +177,19 @@ def test_mrc_probes_an_assumed_bad_ev_out_of_band_and_readmits_it():
     assert "probe unanswered" in [h[2] for h in ev.history] and probes_while_down >= 1
     assert sent_while_down <= MrcParams().init_cwnd_packets / len(MrcParams().evs) \
         + MrcParams().ev_fail_losses
+
+
+def test_an_idle_mrc_qp_does_not_probe():
+    """Probes test a path for data to come: once its messages are done a QP sends none,
+    however many EVs it holds assumed bad (the agent's NICs run on between collectives,
+    and probes sent then would be on the wire but in no report)."""
+    _, _, qa, qb, region = pair("mrc")
+    ev = qa.evs[3]
+    ev.retired_at = 0.0
+    qa.set_ev(ev, "assumed_bad", 0.0, "losses")
+    assert qa.idle() and qa.deadline() is None and qa.on_timer(10.0) == []
+    qa.post_write(bytes(1024), region.base_va, 7, tag=1)
+    assert [parse(f, EXT_BYTES).opcode for f in qa.on_timer(10.0)] == [Opcode.MRC_PROBE]
 
 
 def test_a_denied_ev_is_never_used_nor_probed():

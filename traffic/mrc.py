@@ -343,7 +343,7 @@ class MrcQP(QueuePair):
             if f.sent_at != LOST:
                 due.append(f.sent_at + self.rto_s)
                 break
-        if len(self.good_evs) < len(self.evs):
+        if len(self.good_evs) < len(self.evs) and not self.idle():
             due += [self._probe_due(ev) for ev in self.evs
                     if ev.status in ("assumed_bad", "probing")]
         if self.rccc is not None:
@@ -377,7 +377,7 @@ class MrcQP(QueuePair):
                 break                          # and so is every later one
             self.counters.timeouts += 1
             self._lost(f, now)
-        if len(self.good_evs) < len(self.evs):
+        if len(self.good_evs) < len(self.evs) and not self.idle():
             out += self._probe(now)
         if self.rccc is not None:
             due = self._request_due()
@@ -392,7 +392,9 @@ class MrcQP(QueuePair):
     def _probe(self, now: float) -> list[bytes]:
         """Out of band: each assumed-bad EV whose time has come gets a probe on it (no
         data is risked there); a probe unanswered within the RTO leaves it assumed bad
-        until the next."""
+        until the next. Only while the QP has data to send: an idle QP needs no path
+        (the agent keeps its NICs running between collectives, and an idle QP probing a
+        dead EV would keep sending after its collective was reported)."""
         out = []
         for ev in self.evs:
             if ev.status not in ("assumed_bad", "probing") or now < self._probe_due(ev):

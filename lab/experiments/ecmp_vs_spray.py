@@ -4,6 +4,12 @@ RC keeps each QP on one UDP source port, so the fabric's 5-tuple ECMP pins
 each flow to one spine: flows collide on some uplinks while others idle. MRC
 sprays every packet on its own entropy value, spreading each flow over every
 spine. Measured from the source leaf's uplink byte counters.
+
+Four variants: `rc` (lossy: a collision's drops also set off go-back-N, so its slowest
+flow mixes the collision with the collapse), `rc+pfc` (RC as RoCE is deployed:
+lossless, so its slowest flow shows the collision alone; what htsim's RoCE+PFC is set
+beside in bench/htsim_compare.py), `mrc_hash` (the default EV set, hashed) and
+`mrc_explicit` (one EV per spine, mapped).
 """
 from __future__ import annotations
 
@@ -14,9 +20,14 @@ from pathlib import Path
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import SETTLE_S, SwitchDrops, rc_params
 from lab.fabric.capture import CapturePlan
+from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
+from traffic.constants import DEFAULT_MTU_BYTES
+from traffic.mrc import DATA_OVERHEAD_BYTES
+from traffic.roce import WRITE_OVERHEAD_BYTES
 
 log = logging.getLogger(__name__)
 NAME = "ecmp-vs-spray"
@@ -27,6 +38,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
                                     "rate_scale": 10000}}
 BALANCE_TOLERANCE = 0.10      # sprayed uplinks within 10% of their mean
+VARIANTS = ("rc", "rc+pfc", "mrc_hash", "mrc_explicit")
 
 SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
 
@@ -75,11 +87,19 @@ def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None)
     t1 = time.time()
     mean = sum(per_spine) / len(per_spine)
     completions = [f["completion_s"] for f in res]
+    # the slowest flow's best: each host's flows share its link (the uplinks together
+    # carry what the hosts do), every frame on the wire counted
+    rate_mbps = ctx.fabric.host(plan[0][0]).interface().rate_mbps
+    per_host = max(sum(1 for s, *_ in plan if s == h) for h, *_ in plan)
+    packets = -(-plan[0][2] // DEFAULT_MTU_BYTES)
+    overhead = DATA_OVERHEAD_BYTES if transport == "mrc" else WRITE_OVERHEAD_BYTES
+    ideal_s = per_host * packets * (DEFAULT_MTU_BYTES + overhead) * 8 / (rate_mbps * 1e6)
     retx = sum(f["counters"]["retransmitted"] for f in res)
     return {"bytes_per_spine_uplink": per_spine,
             "imbalance_max_over_mean": max(per_spine) / mean if mean else None,
             "max_deviation_from_mean": max(abs(b - mean) for b in per_spine) / mean if mean else None,
             "completion_s_max": max(completions),
+            "slowest_vs_ideal": round(max(completions) / ideal_s, 3),
             "completion_s_mean": sum(completions) / len(completions),
             "all_intact": all(f["intact"] for f in res),
             "retransmitted_packets": retx,
@@ -92,28 +112,44 @@ def run(ctx: RunContext) -> dict:
     plan = flows(ctx)
     out = {"flows": len(plan), "flow_bytes": plan[0][2]}
     evs = explicit_evs(ctx.fabric, ctx.fabric.host(plan[0][0]))
-    variants = [("rc", "rc", None),                      # one source port per QP: hashed
-                ("mrc_hash", "mrc", None),               # the default EV set, hashed
-                ("mrc_explicit", "mrc", {"evs": evs})]   # one EV per spine, mapped
+    rate_mbps = ctx.fabric.host(plan[0][0]).interface().rate_mbps
+    # (a retransmit timer above what pauses may hold a frame on its three queues)
+    lossless = rc_params(ctx.net, rate_mbps, CongestionParams.kmax_kb, path_queues=3)
+    variants = [("rc", "rc", None, False),                   # one source port per QP: hashed
+                ("rc+pfc", "rc", lossless, True),            # ...with PFC: no drops
+                ("mrc_hash", "mrc", None, False),            # the default EV set, hashed
+                ("mrc_explicit", "mrc", {"evs": evs}, False)]   # one EV per spine, mapped
     with GpuAgents(ctx.net) as gpus:
-        for name, transport, params in variants:
+        rc_collective = gpus.next_id
+        for name, transport, params, pfc in variants:
             log.info(f"{len(plan)} flows of {plan[0][2] / 1e6:.1f} MB from fl-lf0 to fl-lf1 "
                      f"over {name}")
+            set_congestion(ctx.net, CongestionParams(pfc=pfc))
+            drops = SwitchDrops(ctx.net, ctx.telemetry)
+            later = gpus.next_id
+            if name == "rc+pfc":
+                # rc's QP numbers again, so the same source ports hash onto the same spines:
+                # the same collision, with and without PFC (its late frames gone first)
+                time.sleep(SETTLE_S)
+                gpus.next_id = rc_collective
             m = measure(ctx, gpus, transport, plan, params)
+            gpus.next_id = max(gpus.next_id, later)
+            m["drops_packets"] = drops.count()
             log.info(f"  bytes per spine uplink: {m['bytes_per_spine_uplink']} "
                      f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
                      f"{m['completion_s_max']:.2f} s")
             out[name] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
+    set_congestion(ctx.net, CongestionParams())
     return out
 
 
 def claims(params: Params, m: dict) -> list[Claim]:
-    rc, mrc = m["rc"], m["mrc_explicit"]
+    rc, lossless, mrc = m["rc"], m["rc+pfc"], m["mrc_explicit"]
     return [
         Claim("every flow arrived intact (CRC-32 end to end), every variant",
-              all(m[v]["all_intact"] for v in ("rc", "mrc_hash", "mrc_explicit")),
-              [m[v]["all_intact"] for v in ("rc", "mrc_hash", "mrc_explicit")], "all True"),
+              all(m[v]["all_intact"] for v in VARIANTS),
+              [m[v]["all_intact"] for v in VARIANTS], "all True"),
         Claim("spraying (explicit EVs) keeps every spine uplink within 10% of the mean",
               mrc["max_deviation_from_mean"] <= BALANCE_TOLERANCE,
               round(mrc["max_deviation_from_mean"], 3), f"<= {BALANCE_TOLERANCE}"),
@@ -123,4 +159,12 @@ def claims(params: Params, m: dict) -> list[Claim]:
         Claim("spraying finishes the slowest flow sooner",
               mrc["completion_s_max"] < rc["completion_s_max"],
               f"mrc {mrc['completion_s_max']:.2f} s", f"< rc {rc['completion_s_max']:.2f} s"),
+        Claim("rc+pfc: no drops, and spraying still finishes the slowest flow sooner (the "
+              "collision alone, without go-back-N's collapse)",
+              lossless["drops_packets"] == 0
+              and mrc["completion_s_max"] < lossless["completion_s_max"],
+              {"drops": lossless["drops_packets"],
+               "slowest_s": {"mrc_explicit": round(mrc["completion_s_max"], 2),
+                             "rc+pfc": round(lossless["completion_s_max"], 2)}},
+              "drops == 0, mrc_explicit < rc+pfc"),
     ]

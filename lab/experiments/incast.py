@@ -57,8 +57,8 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # flow_kb does not shrink on a slow machine (lab/fabric/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
 # x0.10 rates with flows x0.25, the senders ended 26-30% off the fair share, as 300 KB
-# flows do at full rate); the run takes longer instead.
-SCALED_SIZES = ()
+# flows do at full rate); the run takes longer instead. NSCC and RCCC need no such time.
+SCALED_SIZES = ("uet_flow_kb",)
 
 
 @dataclass
@@ -67,6 +67,9 @@ class Params:
     senders: int = 8
     flow_kb: int = 1200         # per sender: ~8 s at the fair share of a 10 Mb/s port (at
     # 600 KB, 1 run in 18 had a sender 23% off the fair share: DCQCN converges slowly)
+    uet_flow_kb: int = 300      # per sender in the nscc/rccc variants: they need no long
+    # convergence (RCCC shares from its first grants, NSCC settles within a few round
+    # trips), so they run shorter, and shrink on a slow machine
     variants: str = ",".join(VARIANTS)
     ecn: str = "auto"           # the ecn variants' marking: auto | red | bpf | controller
     kmin_kb: float = CongestionParams.kmin_kb
@@ -89,8 +92,11 @@ class Params:
         if self.ecn not in ("auto", "red", "bpf", "controller"):
             raise UsageError("ecn must be auto, red, bpf or controller "
                              "(the 'none' variant is 'off')")
-        if self.senders < 2 or self.flow_kb <= 0:
-            raise UsageError("need senders >= 2 and flow_kb > 0")
+        if self.senders < 2 or self.flow_kb <= 0 or self.uet_flow_kb <= 0:
+            raise UsageError("need senders >= 2, flow_kb > 0 and uet_flow_kb > 0")
+
+    def flow_bytes(self, variant: str) -> int:
+        return (self.uet_flow_kb if variant in UET_VARIANTS else self.flow_kb) * 1024
 
     @property
     def variant_list(self) -> list[str]:
@@ -210,13 +216,14 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         else ("rc", rc)
     if "nscc" in variant:
         params["nscc"] = {"base_rtt_ms": base_rtt_ms}
-    log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over {transport.upper()} "
-             f"-> {receiver}")
+    nbytes = p.flow_bytes(variant)
+    log.info(f"{variant}: {len(senders)} senders x {nbytes // 1024} KB over "
+             f"{transport.upper()} -> {receiver}")
     t0 = time.time()
-    flows = gpus.transfers([(s, receiver, p.flow_kb * 1024) for s in senders], transport,
+    flows = gpus.transfers([(s, receiver, nbytes) for s in senders], transport,
                            params=params, allow_timeout=limited,
                            timeout_s=p.none_time_limit_s if limited
-                           else traffic_timeout_s(len(senders) * p.flow_kb * 1024, recv_if.rate_mbps))
+                           else traffic_timeout_s(len(senders) * nbytes, recv_if.rate_mbps))
     t1 = time.time()
     log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)
@@ -241,7 +248,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     goodputs = sender_goodputs(flows, *steady)
     held = ctx.telemetry.summary(*steady).get(key, {})   # what the queue holds once settled
     fair = sum(goodputs.values()) / len(senders)
-    packets = len(senders) * -(-p.flow_kb * 1024 // DEFAULT_MTU_BYTES)
+    packets = len(senders) * -(-nbytes // DEFAULT_MTU_BYTES)
     ideal_s = packets * (DEFAULT_MTU_BYTES + (DATA_OVERHEAD_BYTES if uet else
                                               WRITE_OVERHEAD_BYTES)) * 8 / (recv_if.rate_mbps * 1e6)
     # RED counts in the kernel (telemetry); the data path and the controller count
@@ -254,6 +261,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     delivery = pause_delivery_ms(events(net, t0), flows, recv_if, net.fabric)
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
+        "flow_bytes": nbytes,
         "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
         "bottleneck": key,
         "drops_packets": dropped.get(key, 0),
@@ -287,7 +295,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                                          3) if fair else None,
         "flows_completed": len(finished),
         "delivered_fraction": round(sum(f["receiver_counters"]["bytes_delivered"] for f in flows)
-                                    / (len(flows) * p.flow_kb * 1024), 3),
+                                    / (len(flows) * nbytes), 3),
         "completion_s_max": round(max(finished), 3) if len(finished) == len(flows) else None,
         # the last flow's completion over the time the port takes to carry every frame
         "completion_vs_ideal": round(max(finished) / ideal_s, 3)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import SETTLE_S, dataplane_drops, traffic_timeout_s
+from lab.experiments.common import SETTLE_S, dataplane_drops, idle_rtt_ms, traffic_timeout_s
 from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams, set_congestion
 from lab.fabric.gpus import GpuAgents
@@ -51,7 +51,8 @@ class Params:
     trim_kb: float = 0.0        # trimming starts at this backlog; 0: the buffer (instead
     # of the drops)
     credit_budget_packets: int = 0   # the receivers' pooled credit (0: none, see above)
-    cc: str = "window"          # the MRC senders' window: window (the lab's) | nscc
+    cc: str = "window"          # MRC's congestion control: window (the lab's) | nscc |
+    # rccc | nscc+rccc (traffic/mrc.py's CC_MODES)
     ecn: str = "off"            # the switches' ECN marking in both variants (NSCC decreases
     # on marks): off | auto | bpf | red | controller
 
@@ -68,7 +69,7 @@ class Params:
             raise UsageError(f"cc must be one of {', '.join(CC_MODES)}, got {self.cc!r}")
         if self.ecn not in ("off", "auto", "bpf", "red", "controller"):
             raise UsageError(f"ecn must be off, auto, bpf, red or controller, got {self.ecn!r}")
-        if self.cc == "nscc" and self.ecn == "off":
+        if "nscc" in self.cc and self.ecn == "off":
             raise UsageError("NSCC cuts its window on ECN-marked acknowledgements: with "
                              "ecn=off it would only grow; add --set ecn=auto")
 
@@ -94,7 +95,7 @@ def bottleneck_counts(dp, switch: str, port: int) -> dict:
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
-                senders: list[str]) -> dict:
+                senders: list[str], base_rtt_ms: float | None = None) -> dict:
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
     set_congestion(net, CongestionParams(ecn=p.ecn, trim=variant == "trim", trim_kb=p.trim_kb))
@@ -104,7 +105,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     t0 = time.time()
     flows = gpus.transfers([(s, receiver, nbytes) for s in senders], "mrc",
                            params={"credit_budget_packets": p.credit_budget_packets,
-                                   "cc": p.cc},
+                                   "cc": p.cc, **({"nscc": {"base_rtt_ms": base_rtt_ms}}
+                                                  if base_rtt_ms else {})},
                            timeout_s=traffic_timeout_s(len(senders) * nbytes,
                                                        recv_if.rate_mbps))
     t1 = time.time()
@@ -159,8 +161,11 @@ def run(ctx: RunContext) -> dict:
     out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
     try:
         with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
+            if "nscc" in p.cc:      # its base RTT, before any variant loads the fabric
+                out["nscc_base_rtt_ms"] = idle_rtt_ms(gpus, senders[0], receiver)
             for variant in p.variant_list:
-                m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders)
+                m = out[variant] = run_variant(ctx, gpus, variant, receiver, senders,
+                                               out.get("nscc_base_rtt_ms"))
                 log.info(f"  drops {m['drops_packets']}, trimmed {m['trimmed_packets']}, "
                          f"resent {m['retransmitted_packets']} ({m['timeouts']} by timeout, "
                          f"{m['trim_resent']} at a NACK; {m['resend_delay_ms_mean']:.1f} ms "

@@ -47,7 +47,8 @@ from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
 from controllers.routes import Deliver, Forward, arp_table, routes_for, without_links
 from topologies.fabric import Fabric, interface_name
-from traffic.constants import (EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
+from traffic.constants import (EV_FIELD_BITS, EV_TIER_OF_ROLE, EXPLICIT_EV_BASE,
+                               EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
                                ROCE_V2_UDP_PORT)
 
 cfg.CONF.register_cli_opts([
@@ -63,6 +64,8 @@ ECMP_SELECTION_METHOD = b"dp_hash"
 
 PRIORITY_HOST = 300
 PRIORITY_EXPLICIT_EV = 250     # a RoCE packet whose source port names its path
+# the bits that put a source port in the explicit/generated EV range (0xE000-0xEFFF)
+EXPLICIT_EV_RANGE_MASK = 0xF000
 PRIORITY_SUBNET = 200
 PRIORITY_ARP = 100
 PRIORITY_MAC_CONTROL = 100
@@ -236,7 +239,7 @@ class FabricRouter(app_manager.OSKenApp):
                 self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
                               [parser.OFPActionDecNwTtl(),
                                parser.OFPActionGroup(groups[route.ports])])
-                self.add_explicit_paths(dp, route)
+                self.add_explicit_paths(dp, route, self.by_name[name].role)
         to_controller = [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)]
         self.add_flow(dp, PRIORITY_ARP, parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP),
                       to_controller)
@@ -269,12 +272,16 @@ class FabricRouter(app_manager.OSKenApp):
             buckets=buckets,
             properties=[selection_method_property(parser, ECMP_SELECTION_METHOD)]))
 
-    def add_explicit_paths(self, dp, route: Forward) -> None:
-        """EV explicit mode: source port EXPLICIT_EV_BASE + i -> the i-th equal-cost port."""
+    def add_explicit_paths(self, dp, route: Forward, role: str) -> None:
+        """Explicit and generated EVs: the field of this switch's tier (EV_TIER_OF_ROLE)
+        of a source port in EXPLICIT_EV_BASE's range picks the equal-cost port (field i:
+        the i-th); a masked match, so the other tiers' fields pass through."""
         parser = dp.ofproto_parser
+        shift = EV_FIELD_BITS * EV_TIER_OF_ROLE.get(role, 0)
+        mask = EXPLICIT_EV_RANGE_MASK | (EXPLICIT_EV_MAX_PATHS - 1) << shift
         for i, port in enumerate(route.ports[:EXPLICIT_EV_MAX_PATHS]):
             match = self.subnet_match(parser, route, ip_proto=17, udp_dst=ROCE_V2_UDP_PORT,
-                                      udp_src=EXPLICIT_EV_BASE + i)
+                                      udp_src=(EXPLICIT_EV_BASE | i << shift, mask))
             self.add_flow(dp, PRIORITY_EXPLICIT_EV, match,
                           [parser.OFPActionDecNwTtl(), *egress(parser, port)])
 

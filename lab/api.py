@@ -69,6 +69,11 @@ class Lab:
                                 queue_params=self.queues)
         self._next_collective = 1
         self._t0 = 0.0
+        # MRC's EV events: every EV state change of transfers() lands in ev_events as it
+        # happens; an ev_controller (anything with on_event(host, event) -> [(host, EV,
+        # why)], e.g. lab/fabric/evs.py's EvController) may deny EVs in the running transfer
+        self.ev_events: list[dict] = []
+        self.ev_controller = None
 
     # --- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> "Lab":
@@ -130,7 +135,9 @@ class Lab:
         """One message per (src, dst, bytes), all at once. Per flow: completion_s,
         intact (the receiver's CRC-32 matches the sender's), counters, rate samples."""
         with self._agents() as agents:
+            agents.ev_controller = self.ev_controller
             out = agents.transfers(flows, transport, params, timeout_s)
+            self.ev_events += agents.ev_events
             self._note_cpu(agents.cpu_bound())
         return out
 

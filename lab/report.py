@@ -215,6 +215,38 @@ def plot_step_breakdown(result: dict, out: Path) -> Path | None:
     return _save(plt, fig, out / "step_breakdown.png")
 
 
+EV_STATE_COLORS = {"good": "C2", "assumed_bad": "C3", "probing": "C1", "denied": "C7"}
+
+
+def plot_ev_states(result: dict, variant: str, out: Path) -> Path | None:
+    """MRC's EV states over time (link-failure's `ev_changes`, ms since the variant
+    started): a row per QP and EV that changed, its state as a colored span from each
+    change to the next, and the failure. An EV is good until its first change."""
+    section = variants(result["metrics"]).get(variant, {})
+    changes = section.get("ev_changes")
+    if not changes:
+        return None
+    rows: dict[tuple, list[dict]] = {}
+    for c in changes:
+        rows.setdefault((c["qp"], c["ev"]), []).append(c)
+    end_ms = max(section.get("completion_s", 0) * 1e3, max(c["t_ms"] for c in changes) + 1)
+    plt, fig, ax = _figure(f"EV states over time ({variant})", "ms since the variant started",
+                           "")
+    for y, (key, cs) in enumerate(sorted(rows.items())):
+        spans = [(0.0, "good")] + [(c["t_ms"], c["state"]) for c in cs]
+        for (t, state), nxt in zip(spans, [t for t, _ in spans[1:]] + [end_ms]):
+            ax.barh(y, max(nxt - t, end_ms / 500), left=t, color=EV_STATE_COLORS[state],
+                    height=0.6)
+    ax.set_yticks(range(len(rows)), [f"QP {q} EV {ev}" for q, ev in sorted(rows)])
+    if "failed_at_s" in section:
+        ax.axvline(section["failed_at_s"] * 1e3, color="k", ls="--", lw=1)
+        ax.text(section["failed_at_s"] * 1e3, -0.45, " the link fails", fontsize=8,
+                va="bottom")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in EV_STATE_COLORS.values()],
+              labels=list(EV_STATE_COLORS), fontsize=8, loc="upper left")
+    return _save(plt, fig, out / f"ev_states_{variant}.png")
+
+
 def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
     out = workdir / PLOTS
     out.mkdir(exist_ok=True)
@@ -227,6 +259,8 @@ def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
         result, "bytes_per_spine_uplink", "Bytes per spine uplink", "bytes", out)))
     plots.append(("Retransmissions", plot_bars(
         result, "retransmitted_packets", "Retransmitted packets per variant", "packets", out)))
+    for v in variants(result["metrics"]):
+        plots.append((f"EV states over time ({v})", plot_ev_states(result, v, out)))
     return [(title, p) for title, p in plots if p is not None]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fabriclab, requires_root
+from lab.fabric.gpus import explicit_evs
 from lab.fabric.network import FabricNetwork
 from lab.kernel.netns import socket_in_netns
 from topologies.fabric import interface_name
@@ -66,6 +67,43 @@ def test_ecmp_spreads_udp_source_ports_over_every_spine(tmp_path):
     mean = sum(spread) / spines
     assert all(0.7 * mean < n < 1.3 * mean for n in spread), f"uneven ECMP: {spread}"
     assert max(pinned) >= 0.98 * sum(pinned) and sum(pinned) >= 990, pinned
+
+
+def tx_packets(intfs: list[str]) -> list[int]:
+    return [int(Path(f"/sys/class/net/{i}/statistics/tx_packets").read_text()) for i in intfs]
+
+
+def test_generated_evs_name_every_path_of_a_fat_tree_one_each(tmp_path):
+    """MRC's generated EV profile on a k=4 fat-tree: a field per tier (the edge's uplink,
+    then the aggregation switch's), so a host's four EVs take its pod's four paths to the
+    cores, one each: every aggregation-to-core link of the pod carries exactly one EV's
+    packets (the controller matches each tier's field under a mask)."""
+    topo = build_topo("fat-tree", k=4)
+    fabric = topo.fabric
+    src, dst = fabric.hosts[0], fabric.hosts[-1]               # pod 0 -> pod 3
+    evs = explicit_evs(fabric, src)
+    role = {sw.name: sw.role for sw in fabric.switches}
+    pod = {p for p, _ in fabric.switch_ports(src.interface().switch).values()
+           if role.get(p) == "agg"}
+    core_links = [interface_name(a, port) for a in sorted(pod)
+                  for port, (peer, _) in sorted(fabric.switch_ports(a).items())
+                  if role.get(peer) == "core"]
+    assert len(evs) == 4 == len(core_links)
+    with FabricNetwork(topo, tmp_path) as net:
+        sock = socket_in_netns(net.host_pid(src.name), socket.SOCK_RAW, socket.IPPROTO_UDP)
+        send_udp(sock, dst.ip, [49152], per_port=20)   # warm up ARP and the flow caches
+        time.sleep(0.3)
+        carried = []
+        for ev in evs:
+            before = tx_packets(core_links)
+            send_udp(sock, dst.ip, [ev], per_port=200)
+            time.sleep(0.3)
+            carried.append([a - b for a, b in zip(tx_packets(core_links), before)])
+        sock.close()
+    # each EV on one core link (all its 200 packets there), each link one EV
+    busy = [[i for i, n in enumerate(c) if n >= 200] for c in carried]
+    assert all(len(b) == 1 for b in busy) and sorted(b[0] for b in busy) == [0, 1, 2, 3], carried
+    assert all(sum(c) < 200 + 10 for c in carried), carried
 
 
 def test_reachability_experiment_writes_results(tmp_path, machine_factor):

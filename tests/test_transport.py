@@ -8,7 +8,7 @@ import time
 import pytest
 
 from traffic.constants import PSN_MODULUS, TRIMMED_FRAME_BYTES, Opcode
-from traffic.mrc import EXT_BYTES, MrcParams, MrcQP
+from traffic.mrc import EXT_BYTES, MrcParams, MrcQP, generated_evs
 from traffic.nic import Nic, SocketWire
 from traffic.qp import Region
 from traffic.rc import RcParams, RcQP
@@ -177,6 +177,21 @@ def test_mrc_probes_an_assumed_bad_ev_out_of_band_and_readmits_it():
     assert "probe unanswered" in [h[2] for h in ev.history] and probes_while_down >= 1
     assert sent_while_down <= MrcParams().init_cwnd_packets / len(MrcParams().evs) \
         + MrcParams().ev_fail_losses
+
+
+def test_a_generated_ev_profile_is_every_combination_of_its_fields():
+    """MRC's generated EV profile: a field per tier, 6 bits each above 0xE000; a QP
+    given `ev_fields` sprays over every combination, minus what it denies."""
+    assert generated_evs(((0, 3),)) == (0xE000, 0xE001, 0xE002, 0xE003)
+    assert generated_evs(((0, 1), (2, 3))) == (0xE080, 0xE081, 0xE0C0, 0xE0C1)
+    for bad in ((), ((0, 64),), ((2, 1),), ((0, 1),) * 3):
+        with pytest.raises(ValueError, match="generated EV profile"):
+            generated_evs(bad)
+    nic_a, nic_b, qa, qb, region = pair("mrc", ev_fields=((0, 3), (0, 1)), deny_evs=(0xE041,))
+    assert [ev.port for ev in qa.evs] == list(generated_evs(((0, 3), (0, 1))))
+    qa.post_write(os.urandom(64 * 1024), region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: qa.idle() and any(e[0] == "received" for e in qb.events))
+    assert set(nic_a.wire.sent_ports) == set(generated_evs(((0, 3), (0, 1)))) - {0xE041}
 
 
 def test_an_idle_mrc_qp_does_not_probe():

@@ -68,6 +68,7 @@ class Agent:
                      for net, (intf, _, ip, rate) in nics.items()}
         self.nic = self.nics["scale-out"]
         self.pending = None
+        self.inbox = b""       # what stdin brought that no one has taken yet
 
     def emit(self, **event) -> None:
         sys.stdout.write(json.dumps(event) + "\n")
@@ -184,6 +185,7 @@ class Agent:
             now = time.monotonic()
             if now >= next_sample:
                 next_sample = now + RATE_SAMPLE_S
+                self._during(cid, nics, now)
                 samples["t"].append(round(time.time(), 4))
                 for nic in nics:
                     for qpn, qp in nic.qps.items():
@@ -195,7 +197,8 @@ class Agent:
                         algo.on_event(qp, qp.events.pop(0), now)
             return algo.done()
 
-        ok = drive(nics, done, timeout_s)
+        ok = drive(nics, done, timeout_s, wake_fds=(sys.stdin.fileno(),))
+        self._during(cid, nics, time.monotonic())     # the last EV changes, reported too
         elapsed = time.monotonic() - t0
         if ok:
             drive(nics, lambda: not any(n.paused_now(time.monotonic()) for n in nics),
@@ -207,7 +210,12 @@ class Agent:
             for qpn, qp in nic.qps.items():
                 counters[f"{qp.kind}:{prefix}{qpn:#x}"] = qp.counters.as_dict()
                 if hasattr(qp, "ev_report"):
-                    evs[f"{prefix}{qpn:#x}"] = qp.ev_report()
+                    # each EV's history counts ms from its QP's first packet: when that
+                    # was, on the lab's clock (None: the QP sent nothing)
+                    started = None if qp.t0 is None else \
+                        round(time.time() - (time.monotonic() - qp.t0), 4)
+                    evs[f"{prefix}{qpn:#x}"] = [{**ev, "qp_started_unix": started}
+                                                for ev in qp.ev_report()]
         if not ok:      # out of time: its QPs stop here, and what they counted goes out
             for nic in nics:
                 nic.abort()
@@ -222,13 +230,47 @@ class Agent:
                   **algo.report(op))
         self.pending = None
 
+    def _during(self, cid: int, nics: list, now: float) -> None:
+        """While a collective runs, every RATE_SAMPLE_S: each MRC QP's EV state changes
+        go out (an "ev" event: the lab's EV controller watches them), and what the lab
+        said meanwhile is read: "deny_ev" is done at once (every QP of the collective
+        stops using that EV); any other command waits for the collective to end."""
+        for nic in nics:
+            for qpn, qp in nic.qps.items():
+                changes = getattr(qp, "ev_events", None)     # MRC's only
+                for ev, state, why in changes or ():
+                    self.emit(event="ev", id=cid, qp=f"{qpn:#x}", peer=qp.peer_ip, ev=ev,
+                              state=state, why=why, t=round(time.time(), 4))
+                if changes:
+                    changes.clear()
+        if not select.select([sys.stdin.fileno()], [], [], 0)[0]:
+            return
+        chunk = os.read(sys.stdin.fileno(), 1 << 16)
+        self.inbox += chunk
+        lines, self.inbox = self.inbox.rsplit(b"\n", 1) if b"\n" in self.inbox \
+            else (b"", self.inbox)
+        kept = []
+        for line in lines.split(b"\n"):
+            cmd = json.loads(line) if line.strip() else None
+            if cmd and cmd.get("cmd") == "deny_ev":
+                for nic in nics:
+                    for qp in nic.qps.values():
+                        if hasattr(qp, "deny_ev") and any(e.port == cmd["ev"] for e in qp.evs):
+                            try:
+                                qp.deny_ev(cmd["ev"], now, cmd.get("why", "denied"))
+                            except ValueError as e:     # the last one not denied: kept
+                                self.emit(event="warning", id=cid, warning=str(e))
+            elif line.strip():
+                kept.append(line)
+        self.inbox = b"".join(ln + b"\n" for ln in kept) + self.inbox
+
     def commands(self):
         """Command lines from stdin. After a collective, while no command is there,
         the NICs keep running, as a NIC does for its QPs: a peer whose last ACK was
         lost retransmits after this side is done, and must still get its answer
         (else it waits out its timeout). Between prepare and start they do not: what
         a faster peer sends waits in the socket for the collective to take it."""
-        fd, buf = sys.stdin.fileno(), b""
+        fd = sys.stdin.fileno()
         nics = list(self.nics.values())
 
         def command_waiting() -> bool:
@@ -238,14 +280,14 @@ class Agent:
             return bool(select.select([fd], [], [], 0)[0])
 
         while True:
-            while b"\n" not in buf:
+            while b"\n" not in self.inbox:
                 if self.pending is None:
                     drive(nics, command_waiting, float("inf"), wake_fds=(fd,))
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     return
-                buf += chunk
-            line, buf = buf.split(b"\n", 1)
+                self.inbox += chunk
+            line, self.inbox = self.inbox.split(b"\n", 1)
             if line.strip():
                 yield line
 

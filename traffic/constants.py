@@ -146,3 +146,11 @@ PAUSE_QUANTA_MAX = 0xFFFF           # pause_time fields are 16-bit
 # that mapping, so a sender picks its path instead of leaving it to the hash.
 EXPLICIT_EV_BASE = 0xE000
 EXPLICIT_EV_MAX_PATHS = 64
+# Generated EVs (MRC's generated EV profile: EVs built from fields, one per tier): an EV
+# EXPLICIT_EV_BASE + value reads as EV_TIERS fields of EV_FIELD_BITS, field k naming the
+# port at the k-th switch on the way up (EV_TIER_OF_ROLE: the leaf or edge switch's
+# uplinks, then the aggregation switch's); EXPLICIT_EV_BASE + i is field 0 = i, the others
+# 0. The fields fill the 12 bits below EXPLICIT_EV_BASE's top nibble.
+EV_FIELD_BITS = 6                     # 2 ** 6 = EXPLICIT_EV_MAX_PATHS choices a tier
+EV_TIERS = 2
+EV_TIER_OF_ROLE = {"leaf": 0, "edge": 0, "agg": 1}

@@ -31,10 +31,12 @@ receiver's credit caps it too (what tames incast: the receiver sizes the credit)
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import struct
 from dataclasses import dataclass, field
 
-from traffic.constants import (IMMDT_BYTES, MRC_CREQX_BYTES, MRC_IMM_COUNT_BITS,
+from traffic.constants import (EV_FIELD_BITS, EV_TIERS, EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS,
+                               IMMDT_BYTES, MRC_CREQX_BYTES, MRC_IMM_COUNT_BITS,
                                MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
                                MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
                                MRC_PROBE_FLAG_REPLY, MRC_PROBEX_BYTES, MRC_SACK_BITMAP_BITS,
@@ -69,10 +71,26 @@ EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES,
 EV_STATES = ("good", "assumed_bad", "probing", "denied")
 
 
+def generated_evs(fields: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """MRC's generated EV profile: every combination of its fields, (min, max) per tier,
+    as EVs (constants.py: field k in bits EV_FIELD_BITS x k above EXPLICIT_EV_BASE); the
+    controller maps field k at the k-th switch up to that port."""
+    if not 0 < len(fields) <= EV_TIERS or any(
+            not 0 <= lo <= hi < EXPLICIT_EV_MAX_PATHS for lo, hi in fields):
+        raise ValueError(f"a generated EV profile has 1 to {EV_TIERS} fields, each (min, max) "
+                         f"within 0..{EXPLICIT_EV_MAX_PATHS - 1}; got {fields}")
+    evs = [EXPLICIT_EV_BASE]
+    for k, (lo, hi) in enumerate(fields):
+        evs = [ev | v << (EV_FIELD_BITS * k) for v in range(lo, hi + 1) for ev in evs]
+    return tuple(evs)
+
+
 @dataclass
 class MrcParams:
     mtu_bytes: int = 1024
-    evs: tuple[int, ...] = tuple(range(0xF000, 0xF008))
+    evs: tuple[int, ...] = tuple(range(0xF000, 0xF008))   # MRC's explicit EV profile...
+    ev_fields: tuple = ()              # ...or a generated one: per tier (min, max), every
+                                       # combination (generated_evs); replaces `evs`
     min_active_evs: int = 2
     reorder_packets: int = 16
     rto_ms: float = 100.0              # the timeout's margin over the smoothed RTT, at least:
@@ -160,6 +178,9 @@ class MrcQP(QueuePair):
         self.rccc = rccc                    # the receiving host's credit scheduler (RCCC)
         super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
         p = self.params
+        if p.ev_fields:
+            p = self.params = dataclasses.replace(
+                p, evs=generated_evs(tuple(tuple(f) for f in p.ev_fields)))
         if len(p.evs) < p.min_active_evs:
             raise ValueError(f"{len(p.evs)} EVs is fewer than min_active_evs={p.min_active_evs}")
         if p.cc not in CC_MODES:
@@ -176,6 +197,7 @@ class MrcQP(QueuePair):
         # RCCC alone: the credit is the only limit (the window stays at its largest)
         self.fixed_window = p.cc == "rccc"
         self.evs = [EvState(port) for port in p.evs]
+        self.ev_events: list[tuple[int, str, str]] = []   # (EV, state, why), not yet reported
         self.t0: float | None = None        # the first send: the EV history's zero
         for ev in self.evs:
             if ev.port in p.deny_evs:
@@ -276,6 +298,7 @@ class MrcQP(QueuePair):
         ev.status = status
         t = 0.0 if self.t0 is None else (now - self.t0) * 1e3
         ev.history.append([round(t, 3), status, why])
+        self.ev_events.append((ev.port, status, why))   # for the agent to report at once
         self._statuses_changed()
 
     def deny_ev(self, port: int, now: float, why: str = "denied") -> None:

@@ -90,6 +90,7 @@ class QueuePair:
     def __init__(self, path: Path, qpn: int, remote_qpn: int, region: Region | None,
                  mtu_bytes: int):
         self.qpn, self.remote_qpn = qpn, remote_qpn
+        self.peer_ip = path.dst_ip
         self.data_framer = Framer(path, DSCP_ROCE_DATA, Ecn.ECT_0)
         self.ctrl_framer = Framer(path, DSCP_ROCE_DATA, Ecn.NOT_ECT)
         self.cnp_framer = Framer(path, DSCP_CNP, Ecn.NOT_ECT)

@@ -11,7 +11,10 @@ routing it stands for.
        loses everything it sends until the reroute, and then waits for its
        retransmit timer; in a ring every GPU soon waits for that one flow
   MRC  the packets on the dead entropy value are lost, selectively resent on the
-       others, and the dead EV is retired; it never stops
+       others, and the dead EV is retired; it never stops. Its EV changes go to the
+       lab's EV controller as they happen (lab/fabric/evs.py): with ev_policy=deny it
+       denies the EV of the failed link on the hosts of that leaf, and MRC stops
+       probing it (with ev_policy=watch the EV stays assumed bad and is probed on)
 Stall: the longest time after the failure in which the bytes delivered (summed over
 every receiving QP) did not grow. Then the link comes back, and the routes with it,
 before the next variant.
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from lab.core.errors import LabError, UsageError
+from lab.fabric.evs import EvController
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
 from lab.experiments.base import Claim, RunContext
@@ -43,6 +47,7 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 4, "leaves": 2, "hosts_per_leaf": 
 STALL_RATIO = 0.5           # MRC's stall under half of RC's
 WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
 WORKLOADS = ("allreduce", "transfer")
+EV_POLICIES = ("deny", "watch")
 
 SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (calibrate.py)
 
@@ -54,6 +59,7 @@ class Params:
     flow_kb: int = 2000           # workload=transfer
     fail_after_s: float = 0.6
     reroute_delay_ms: float = 1500.0
+    ev_policy: str = "deny"       # the EV controller: deny (EVs of failed links) | watch
 
     def validate(self) -> None:
         if self.topology != "leaf-spine":
@@ -61,6 +67,9 @@ class Params:
         if self.workload not in WORKLOADS:
             raise UsageError(f"workload must be one of {', '.join(WORKLOADS)}, "
                              f"got {self.workload!r}")
+        if self.ev_policy not in EV_POLICIES:
+            raise UsageError(f"ev_policy must be one of {', '.join(EV_POLICIES)}, "
+                             f"got {self.ev_policy!r}")
         if min(self.flow_kb, self.allreduce_kb) <= 0 or self.fail_after_s <= WINDOW_S \
                 or self.reroute_delay_ms < 0:
             raise UsageError(f"need flow_kb and allreduce_kb > 0, fail_after_s > {WINDOW_S}, "
@@ -165,6 +174,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
     links = uplinks(ctx, leaf)
     params = {"evs": explicit_evs(ctx.fabric, gpus.hosts[0])} if transport == "mrc" else None
     work = allreduce if p.workload == "allreduce" else transfer
+    controller = EvController(ctx.fabric, ctx.workdir, [h.name for h in gpus.hosts])
+    gpus.ev_controller = controller if p.ev_policy == "deny" else None
+    seen = len(gpus.ev_events)
     result: dict = {}
     flow = threading.Thread(target=lambda: result.update(work(ctx, gpus, transport, params)))
     t0 = time.time()
@@ -193,13 +205,18 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
             "retransmitted_packets": result["retransmitted_packets"],
             "timeouts": result["timeouts"],
             "evs_retired": sum(1 for evs in result["evs"] for ev in evs if ev["retirements"]),
-            # every EV state change (MRC: good, assumed_bad, probing, denied), in the
-            # order they came: ms since its QP's first packet, which QP, which EV, why
-            "ev_changes": sorted(({"t_ms": t, "qp": i, "ev": hex(ev["port"]), "state": state,
-                                   "why": why}
+            # every EV state change (MRC: good, assumed_bad, probing, denied) of the QPs
+            # that sent data (a ring's receiving QPs take the controller's denials too),
+            # in the order they came: ms since the variant started (failed_at_s's clock),
+            # which QP, which EV, why
+            "ev_changes": sorted(({"t_ms": round((ev["qp_started_unix"] - t0) * 1e3 + t, 3),
+                                   "qp": i, "ev": hex(ev["port"]), "state": state, "why": why}
                                   for i, evs in enumerate(result["evs"]) for ev in evs
+                                  if ev["qp_started_unix"] is not None
                                   for t, state, why in ev.get("history", [])),
                                  key=lambda c: c["t_ms"]),
+            "ev_events": len(gpus.ev_events) - seen,      # reported as they happened
+            "ev_denials": controller.decisions,
             "intact": result["intact"]}
 
 
@@ -257,4 +274,16 @@ def claims(params: Params, m: dict) -> list[Claim]:
         Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
               mrc["stall_s"] < STALL_RATIO * rc["stall_s"],
               f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s"),
-    ]
+    ] + ([denial_claim(mrc)] if params.ev_policy == "deny" else [])
+
+
+def denial_claim(mrc: dict) -> Claim:
+    """The EV controller heard MRC's EVs go bad, denied the failed link's, and MRC sent
+    nothing on a denied EV after (no probe: denied EVs are never probed)."""
+    denied = {(c["qp"], c["ev"]): c["t_ms"] for c in mrc["ev_changes"] if c["state"] == "denied"}
+    after = sum(1 for c in mrc["ev_changes"] if (c["qp"], c["ev"]) in denied
+                and c["t_ms"] > denied[c["qp"], c["ev"]] and c["why"] == "probe sent")
+    return Claim("the EV controller denied the failed link's EV, and MRC probed it no more",
+                 bool(mrc["ev_denials"]) and bool(denied) and after == 0,
+                 {"denials": len(mrc["ev_denials"]), "qps_denied": len(denied),
+                  "probes_after": after}, "denials > 0, probes after == 0")

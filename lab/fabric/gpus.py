@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
 import select
 import subprocess
 import sys
@@ -21,7 +23,10 @@ from lab.core.errors import LabError
 from lab.fabric.network import FabricNetwork
 from topologies.fabric import Fabric, Host, HostInterface
 from traffic.agent import qpn_for
-from traffic.constants import EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
+from traffic.constants import EV_TIER_OF_ROLE, EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
+from traffic.mrc import generated_evs
+
+log = logging.getLogger(__name__)
 
 
 CPU_BOUND_FRACTION = 0.9
@@ -51,11 +56,21 @@ def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
 
 
 def explicit_evs(fabric: Fabric, host: Host) -> list[int]:
-    """EV explicit mode: one entropy value per equal-cost uplink of the host's switch
-    (the controller maps EXPLICIT_EV_BASE + i to the i-th of them)."""
-    routes = routes_for(fabric)[host.interface().switch]
-    paths = max((len(r.ports) for r in routes if isinstance(r, Forward)), default=1)
-    return [EXPLICIT_EV_BASE + i for i in range(min(paths, EXPLICIT_EV_MAX_PATHS))]
+    """One EV per path up the fabric from `host`, as MRC's generated EV profile: a field
+    per tier (the leaf's or edge's uplinks, then an aggregation switch's), every
+    combination (traffic/mrc.generated_evs; the controller maps field k at the k-th
+    switch up). A leaf-spine: EXPLICIT_EV_BASE + i for its leaf's i-th uplink."""
+    routes, counts = routes_for(fabric), []
+    switch = host.interface().switch
+    while EV_TIER_OF_ROLE.get(fabric.switch(switch).role) == len(counts):
+        up = [r for r in routes[switch] if isinstance(r, Forward)]
+        if not up:
+            break
+        widest = max(up, key=lambda r: len(r.ports))
+        counts.append(min(len(widest.ports), EXPLICIT_EV_MAX_PATHS))
+        switch = fabric.switch_ports(switch)[widest.ports[0]][0]    # on up, the first way
+    return list(generated_evs(tuple((0, n - 1) for n in counts))) if counts \
+        else [EXPLICIT_EV_BASE]
 
 
 @dataclass
@@ -85,6 +100,9 @@ class GpuAgents:
         self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
         self.machine_busy: list[float] = []    # per collective: the machine's CPU busy share
         self.honouring: list[str] = []     # hosts whose pauses this set's transports honour
+        self.inbox = {h.name: b"" for h in self.hosts}   # what each agent wrote, not yet read
+        self.ev_events: list[dict] = []    # every MRC EV change the agents reported
+        self.ev_controller = None          # an EvController (lab/fabric/evs.py), or None
         for h in self.hosts:
             intf = h.interface(network)
             profile = paths.env(paths.PROFILE_ENV)   # a developer's view of the agents' CPU
@@ -110,23 +128,66 @@ class GpuAgents:
         self.procs[host].stdin.flush()
 
     def _expect(self, host: str, event: str | tuple[str, ...], timeout_s: float) -> dict:
+        """The next message from `host`'s agent, which must be `event` (one of them);
+        what it reports on the way (EV changes, warnings) is handled first."""
+        return self._collect([host], event, timeout_s)[host]
+
+    def _collect(self, hosts: list[str], event: str | tuple[str, ...],
+                 timeout_s: float) -> dict[str, dict]:
+        """Each host's next `event`, read as the agents write them (a collective's EV
+        events must reach the EV controller while it runs, from whichever host). The
+        agents' stdout is read raw, a line at a time, here only."""
+        ends = (event,) if isinstance(event, str) else event
+        out: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < len(hosts):
+            waiting = [h for h in hosts if h not in out]
+            for h in waiting:
+                while b"\n" in self.inbox[h] and h not in out:
+                    line, self.inbox[h] = self.inbox[h].split(b"\n", 1)
+                    msg = json.loads(line)
+                    if msg.get("event") == "ev":
+                        self._on_ev(h, msg)
+                    elif msg.get("event") == "warning":
+                        log.warning(f"GPU agent on {h}: {msg['warning']}")
+                    elif msg.get("event") == "error":
+                        raise LabError(f"GPU agent on {h}: {msg['error']}")
+                    elif msg.get("event") not in ends:
+                        raise LabError(f"GPU agent on {h}: expected {event}, got "
+                                       f"{msg.get('event')}")
+                    else:
+                        out[h] = msg
+            waiting = [h for h in hosts if h not in out and b"\n" not in self.inbox[h]]
+            if not waiting:
+                continue
+            fds = {self.procs[h].stdout.fileno(): h for h in waiting}
+            ready, _, _ = select.select(list(fds), [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._gone(waiting[0], event)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self._gone(fds[fd], event)
+                self.inbox[fds[fd]] += chunk
+        return out
+
+    def _gone(self, host: str, event) -> None:
         proc = self.procs[host]
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            try:
-                proc.wait(timeout=2)
-                err = proc.stderr.read()
-            except subprocess.TimeoutExpired:
-                err = ""
-            raise LabError(f"GPU agent on {host} did not answer ({event}): "
-                           f"{err.strip().splitlines()[-1] if err.strip() else 'no output'}")
-        msg = json.loads(line)
-        if msg.get("event") == "error":
-            raise LabError(f"GPU agent on {host}: {msg['error']}")
-        if msg.get("event") not in ((event,) if isinstance(event, str) else event):
-            raise LabError(f"GPU agent on {host}: expected {event}, got {msg.get('event')}")
-        return msg
+        try:
+            proc.wait(timeout=2)
+            err = proc.stderr.read()
+        except subprocess.TimeoutExpired:
+            err = ""
+        raise LabError(f"GPU agent on {host} did not answer ({event}): "
+                       f"{err.strip().splitlines()[-1] if err.strip() else 'no output'}")
+
+    def _on_ev(self, host: str, msg: dict) -> None:
+        """An MRC QP's EV changed state: recorded; the EV controller may deny the EV."""
+        self.ev_events.append({"host": host, **{k: v for k, v in msg.items() if k != "event"}})
+        log.debug(f"{host}: QP {msg['qp']} EV {msg['ev']:#x} {msg['state']} ({msg['why']})")
+        if self.ev_controller is not None:
+            for h, ev, why in self.ev_controller.on_event(host, msg):
+                self._send(h, cmd="deny_ev", ev=ev, why=why)
 
     def _peers(self, h: Host) -> list[dict]:
         peers = []
@@ -149,13 +210,12 @@ class GpuAgents:
         for rank, h in enumerate(self.hosts):
             self._send(h.name, cmd="prepare", id=cid, rank=rank, peers=self._peers(h),
                        timeout_s=timeout_s, **commands[h.name])
-        for h in self.hosts:
-            self._expect(h.name, "ready", timeout_s=60)
+        self._collect([h.name for h in self.hosts], "ready", timeout_s=60)
         busy0, total0 = cpu_times()
         for h in self.hosts:
             self._send(h.name, cmd="start", id=cid)
         ends = ("done", "timeout") if allow_timeout else "done"
-        done = {h.name: self._expect(h.name, ends, timeout_s + 10) for h in self.hosts}
+        done = self._collect([h.name for h in self.hosts], ends, timeout_s + 10)
         busy1, total1 = cpu_times()
         if max(d["elapsed_s"] for d in done.values()) > MIN_JUDGED_S:
             self.machine_busy.append((busy1 - busy0) / max(1, total1 - total0))

@@ -130,6 +130,32 @@ class Lab:
         self._note_cpu(m["cpu_bound_hosts"])
         return m
 
+    def reduce_scatter(self, tensors: list[np.ndarray], transport: str = "rc") -> dict:
+        """Ring reduce-scatter, one tensor per GPU host in host order: host r ends with
+        chunk r of the sum (checked against numpy: "agree"); nccl-tests' busbw."""
+        return self._ring("reduce_scatter", tensors, transport)
+
+    def all_gather(self, tensors: list[np.ndarray], transport: str = "rc") -> dict:
+        """Ring all-gather: host r gives chunk r of its tensor, every host ends with all."""
+        return self._ring("all_gather", tensors, transport)
+
+    def broadcast(self, tensors: list[np.ndarray], root: int = 0, transport: str = "rc") -> dict:
+        """Ring broadcast (pipelined in pieces): every host ends with host `root`'s tensor."""
+        return self._ring("broadcast", tensors, transport, root)
+
+    def _ring(self, kind: str, tensors: list[np.ndarray], transport: str, root: int = 0) -> dict:
+        if self.net is None:
+            raise LabError("the lab is not running: use it inside `with Lab(...) as lab:`")
+        tensors = [np.atleast_1d(np.asarray(t, np.float32)) for t in tensors]
+        if len(tensors) > len(self.hosts):
+            raise LabError(f"{len(tensors)} tensors but the fabric has {len(self.hosts)} "
+                           f"GPU hosts")
+        m = collective.run_ring(self.net, kind, tensors, transport, root,
+                                first_collective_id=self._next_collective)
+        self._next_collective += COLLECTIVE_IDS_PER_CALL
+        self._note_cpu(m["cpu_bound_hosts"])
+        return m
+
     def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
                   params: dict | None = None, timeout_s: float = 120.0) -> list[dict]:
         """One message per (src, dst, bytes), all at once. Per flow: completion_s,
@@ -152,6 +178,29 @@ class Lab:
         """Every GPU host sends `nbytes` to every other at once."""
         return self.transfers([(a, b, nbytes) for a in self.hosts for b in self.hosts
                                if a != b], transport, params)
+
+    def pipeline_step(self, stages: list[str], nbytes: int, transport: str = "rc",
+                      backward: bool = False, params: dict | None = None) -> dict:
+        """One step of pipeline parallelism: each stage's activations (`nbytes`) to the
+        next stage at once, or with `backward` each stage's gradients to the one before.
+        Per flow as transfers() ("flows"), and nccl-tests' sendrecv figures."""
+        pairs = list(zip(stages[1:], stages)) if backward else list(zip(stages, stages[1:]))
+        flows = self.transfers([(a, b, nbytes) for a, b in pairs], transport, params)
+        return {"flows": flows, **collective.p2p_figures(flows, "sendrecv")}
+
+    def alltoallv(self, nbytes: dict[str, dict[str, int]], transport: str = "rc",
+                  params: dict | None = None) -> dict:
+        """All-to-all with unequal sizes (MoE token dispatch): nbytes[src][dst] from
+        each host to each other at once (0 or absent: nothing); every message's CRC-32
+        checked end to end ("intact", and per flow in "flows"); nccl-tests' alltoall
+        figures (S: the largest rank's send buffer)."""
+        flows = [(a, b, n) for a, row in nbytes.items() for b, n in row.items()
+                 if a != b and n > 0]
+        unknown = {h for f in flows for h in f[:2]} - set(self.hosts)
+        if unknown:
+            raise LabError(f"alltoallv names hosts the fabric does not have: {sorted(unknown)}")
+        done = self.transfers(flows, transport, params)
+        return {"flows": done, **collective.p2p_figures(done, "alltoall")}
 
     # --- congestion ---------------------------------------------------------------------
     def congestion(self, **settings) -> str:

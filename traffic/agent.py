@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from traffic.collectives import (HierarchicalAllReduce, RingAllReduce, Transfers,
-                                  TreeAllReduce)
+from traffic.collectives import (HierarchicalAllReduce, RingAllGather, RingAllReduce,
+                                  RingBroadcast, RingReduceScatter, Transfers, TreeAllReduce)
 from traffic.mrc import DATA_OVERHEAD_BYTES, EXT_BYTES, CreditPool, MrcParams, MrcQP
 from traffic.nic import Nic, PacketWire, drive
 from traffic.qp import Region
@@ -41,6 +41,8 @@ REGION_VA = 0x10000000
 
 
 RATE_SAMPLE_S = 0.01
+RING_COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
+BROADCAST_PIECES = 8        # a broadcast's buffer in this many messages: the ring pipelines
 # how long an aborted collective's last frames may take to leave the NIC (one frame waits
 # for room in a full FIFO; a pause could hold it longer, and then it is lost)
 ABORT_FLUSH_S = 0.5
@@ -113,6 +115,10 @@ class Agent:
         if cmd["collective"] == "allreduce":
             data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32).copy()
             algo = self._allreduce(cmd.get("algorithm", "ring"), cid, rank, peers, data, qp_to)
+        elif cmd["collective"] in RING_COLLECTIVES:
+            data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32).copy()
+            algo = self._ring(cmd["collective"], cid, rank, len(peers) + 1, data, qp_to,
+                              cmd.get("root", 0))
         elif cmd["collective"] == "transfers":
             # recv: [{"rank", "bytes", "offset"}]: where each peer's message lands here;
             # send: [{"rank", "bytes", "offset"}]: where ours lands in the peer's region.
@@ -165,6 +171,21 @@ class Agent:
                    qp_to(column[(k - 1) % nr], ro) if nr > 1 else None, ro)
             return HierarchicalAllReduce(local, g, k, nr, data, up, out, REGION_VA, cid)
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+
+    @staticmethod
+    def _ring(kind: str, cid: int, rank: int, n: int, data, qp_to, root: int):
+        """Reduce-scatter, all-gather or broadcast over the ring of ranks."""
+        if kind == "broadcast":
+            size = RingBroadcast.region_bytes(len(data), BROADCAST_PIECES)
+        else:
+            size = RingAllReduce.region_bytes(len(data), n)
+        r = Region(rkey=cid, buf=bytearray(size), base_va=REGION_VA)
+        right, left = qp_to((rank + 1) % n, r), qp_to((rank - 1) % n, r)
+        if kind == "broadcast":
+            return RingBroadcast(rank, n, root, data, right, left, r, REGION_VA, cid,
+                                 BROADCAST_PIECES)
+        cls = RingReduceScatter if kind == "reduce_scatter" else RingAllGather
+        return cls(rank, n, data, right, left, r, REGION_VA, cid)
 
     def start(self, cmd: dict) -> None:
         cid, algo, op, timeout_s = self.pending

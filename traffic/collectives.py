@@ -163,6 +163,86 @@ class HierarchicalAllReduce:
                                 t, t[1:])}}
 
 
+class RingReduceScatter(RingAllReduce):
+    """Reduce-scatter alone, in NCCL's convention: rank r ends with chunk r of the sum
+    (chunk_bounds). The ring all-reduce's first n-1 steps, each rank playing the part of
+    the rank before it, so that the chunk it owns at the end is its own."""
+
+    def __init__(self, rank: int, n: int, buf: np.ndarray, right: QueuePair | None,
+                 left: QueuePair | None, region: Region, peer_va: int, peer_rkey: int):
+        super().__init__((rank - 1) % n, n, buf, right, left, region, peer_va, peer_rkey,
+                         steps=range(n - 1))
+
+    def report(self, op: str) -> dict:
+        lo, hi = self.bounds[self.owned_chunk]
+        return {**_result(self.buf[lo:hi], self.n, op), "chunk": self.owned_chunk}
+
+
+class RingAllGather(RingAllReduce):
+    """All-gather alone, in NCCL's convention: rank r contributes chunk r of the buffer
+    (its place in `buf`, the rest ignored) and ends with every rank's. The ring
+    all-reduce's last n-1 steps, each rank playing the part of the rank before it."""
+
+    def __init__(self, rank: int, n: int, buf: np.ndarray, right: QueuePair | None,
+                 left: QueuePair | None, region: Region, peer_va: int, peer_rkey: int):
+        super().__init__((rank - 1) % n, n, buf, right, left, region, peer_va, peer_rkey,
+                         steps=range(n - 1, 2 * (n - 1)))
+
+    def report(self, op: str) -> dict:
+        return _result(self.buf, 1, "sum")           # gathered, not reduced
+
+
+class RingBroadcast:
+    """The root's buffer to every rank, along the ring root, root+1, ..., root-1, cut into
+    `pieces` so the ring pipelines: a rank passes each piece on as it arrives (the last
+    rank only receives). Each link carries the buffer once: nccl-tests' busbw = algbw."""
+
+    def __init__(self, rank: int, n: int, root: int, buf: np.ndarray, right: QueuePair | None,
+                 left: QueuePair | None, region: Region, peer_va: int, peer_rkey: int,
+                 pieces: int):
+        self.n, self.buf = n, buf
+        self.position = (rank - root) % n            # 0: the root; n-1: the ring's end
+        self.right, self.left, self.region = right, left, region
+        self.peer_va, self.peer_rkey = peer_va, peer_rkey
+        self.bounds = chunk_bounds(len(buf), pieces)
+        self.slot_bytes = max(e - s for s, e in self.bounds) * 4
+        self.forwards = len(self.bounds) if self.position < n - 1 else 0
+        self.receives = len(self.bounds) if self.position > 0 else 0
+        self.received = self.sent_acked = 0
+
+    @staticmethod
+    def region_bytes(n_elems: int, pieces: int) -> int:
+        return max(1, pieces * max(e - s for s, e in chunk_bounds(n_elems, pieces)) * 4)
+
+    def _post(self, piece: int) -> None:
+        lo, hi = self.bounds[piece]
+        self.right.post_write(self.buf[lo:hi].tobytes(), self.peer_va + piece * self.slot_bytes,
+                              self.peer_rkey, tag=piece)
+
+    def start(self, now: float) -> None:
+        if self.position == 0 and self.forwards:
+            for piece in range(len(self.bounds)):
+                self._post(piece)
+
+    def on_event(self, qp: QueuePair, event: tuple, now: float) -> None:
+        kind, piece = event[0], event[1]
+        if kind == "sent" and qp is self.right:
+            self.sent_acked += 1
+        elif kind == "received" and qp is self.left:
+            lo, hi = self.bounds[piece]
+            self.buf[lo:hi] = np.frombuffer(self.region.buf, np.float32, hi - lo,
+                                            piece * self.slot_bytes)
+            self.received += 1
+            if self.forwards:
+                self._post(piece)
+
+    def done(self) -> bool:
+        return self.received == self.receives and self.sent_acked == self.forwards
+
+    def report(self, op: str) -> dict:
+        return _result(self.buf, 1, "sum")
+
+
 def _result(buf: np.ndarray, n: int, op: str) -> dict:
     result = buf / n if op == "mean" else buf
     return {"result": base64.b64encode(result.astype(np.float32).tobytes()).decode()}

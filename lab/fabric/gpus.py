@@ -236,11 +236,31 @@ class GpuAgents:
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
                   algorithm: str = "ring", params: dict | None = None,
                   timeout_s: float = 120.0) -> CollectiveResult:
+        return self._tensors("allreduce", data, transport, params, timeout_s, op=op,
+                             algorithm=algorithm)
+
+    def reduce_scatter(self, data: list[np.ndarray], transport: str = "rc",
+                       params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
+        """Host r ends with chunk r of the sum (traffic/collectives.chunk_bounds)."""
+        return self._tensors("reduce_scatter", data, transport, params, timeout_s)
+
+    def all_gather(self, data: list[np.ndarray], transport: str = "rc",
+                   params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
+        """Host r gives chunk r of its buffer; every host ends with every host's."""
+        return self._tensors("all_gather", data, transport, params, timeout_s)
+
+    def broadcast(self, data: list[np.ndarray], root: int = 0, transport: str = "rc",
+                  params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
+        """Every host ends with host `root`'s buffer (the others' are overwritten)."""
+        return self._tensors("broadcast", data, transport, params, timeout_s, root=root)
+
+    def _tensors(self, collective: str, data: list[np.ndarray], transport: str,
+                 params: dict | None, timeout_s: float, **more) -> CollectiveResult:
+        """A collective over one float32 tensor per host, in host order."""
         if len(data) != len(self.hosts):
             raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
-        done = self._run({h.name: dict(collective="allreduce", op=op, transport=transport,
-                                       algorithm=algorithm,
-                                       params=params or {},
+        done = self._run({h.name: dict(collective=collective, transport=transport,
+                                       params=params or {}, **more,
                                        data=base64.b64encode(d.astype(np.float32).tobytes())
                                        .decode())
                           for h, d in zip(self.hosts, data)}, timeout_s).values()

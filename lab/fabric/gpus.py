@@ -169,7 +169,7 @@ class GpuAgents:
                 if not chunk:
                     self._gone(fds[fd], event)
                 self.inbox[fds[fd]] += chunk
-        return out
+        return {h: out[h] for h in hosts}         # in host order, as they were asked for
 
     def _gone(self, host: str, event) -> None:
         proc = self.procs[host]

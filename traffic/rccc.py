@@ -60,11 +60,6 @@ class Rccc:
         self.turns: deque[int] = deque()    # the senders still owed credit, in turn
         self.tokens = 0.0                   # packets' worth of link time not yet granted
         self.last: float | None = None
-        self.granted_packets = 0            # granted by the pacing (the unsolicited not)
-        self.requests = 0
-
-    def initial_edge(self) -> int:
-        return self.p.initial_credit_packets
 
     def edge_of(self, qpn: int) -> int:
         return self.edge.get(qpn, self.p.initial_credit_packets)
@@ -72,7 +67,6 @@ class Rccc:
     def request(self, qpn: int, wanted_edge: int, now: float) -> None:
         """A sender asks to reach `wanted_edge`. The first request from a QP brings its
         unsolicited packets onto the link's account: grants wait for them to pass."""
-        self.requests += 1
         self.advance(now)
         if qpn not in self.edge:
             self.edge[qpn] = self.p.initial_credit_packets
@@ -104,7 +98,6 @@ class Rccc:
             self.edge[qpn] += n
             self.tokens -= n
             room -= n
-            self.granted_packets += n
             if self.wanted[qpn] > self.edge[qpn]:
                 self.turns.append(qpn)
         # time the cap held the grants back is not saved up past what it lets out

@@ -262,7 +262,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "flow_bytes": nbytes,
-        "ecn_mode": mode, "pfc": "pfc" in variant, "dcqcn_time_scale": round(scale, 1),
+        "ecn_mode": mode, "pfc": "pfc" in variant,
+        "dcqcn_time_scale": None if uet else round(scale, 1),    # RC's only
         "bottleneck": key,
         "drops_packets": dropped.get(key, 0),
         "drops_elsewhere": elsewhere,

@@ -16,6 +16,7 @@ setup(
         "numpy>=1.24",
         "iperf3>=0.1.11",
         "matplotlib>=3.6",
+        "PyYAML>=5.4",          # training-job's job files
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["fabriclab = lab.cli:main"],

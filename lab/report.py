@@ -215,6 +215,32 @@ def plot_step_breakdown(result: dict, out: Path) -> Path | None:
     return _save(plt, fig, out / "step_breakdown.png")
 
 
+def plot_phase_breakdown(result: dict, out: Path) -> Path | None:
+    """Per variant, the mean step by phase (training-job's `phase_s_mean`: compute, the
+    parallelisms' communication), and the step the alpha-beta model predicts."""
+    data = {v: s for v, s in variants(result["metrics"]).items() if "phase_s_mean" in s}
+    if not data:
+        return None
+    plt, fig, ax = _figure("Mean training step by phase", "", "time (ms)")
+    names = list(data)
+    phases = list(dict.fromkeys(k for s in data.values() for k in s["phase_s_mean"]))
+    bottom = [0.0] * len(names)
+    for j, ph in enumerate(phases):
+        ms = [data[n]["phase_s_mean"].get(ph, 0.0) * 1e3 for n in names]
+        ax.bar(range(len(names)), ms, bottom=bottom, color=f"C{j}", label=ph)
+        bottom = [b + x for b, x in zip(bottom, ms)]
+    for i, n in enumerate(names):
+        model = data[n].get("model_s", {}).get("step")
+        if model is not None:
+            ax.plot([i - 0.4, i + 0.4], [model * 1e3] * 2, "k--", lw=1,
+                    label="model (bandwidth terms)" if i == 0 else None)
+        ax.text(i, bottom[i], f"idle {data[n]['idle_fraction_mean']:.0%}", ha="center",
+                va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(plt, fig, out / "phase_breakdown.png")
+
+
 EV_STATE_COLORS = {"good": "C2", "assumed_bad": "C3", "probing": "C1", "denied": "C7"}
 
 
@@ -251,6 +277,7 @@ def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
     out = workdir / PLOTS
     out.mkdir(exist_ok=True)
     plots = [("Step time: compute vs waiting", plot_step_breakdown(result, out)),
+             ("Step time by phase", plot_phase_breakdown(result, out)),
              ("Queue backlog over time", plot_queues(workdir, result, out))]
     for path in sorted(workdir.glob("flows-*.csv")):
         plots.append((f"Per-flow rates ({path.stem.removeprefix('flows-')})",

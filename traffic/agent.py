@@ -12,7 +12,10 @@ lab asks. Control is JSON lines: commands on stdin, events on stdout.
         -> {"event": "done", "id": 1, "result": <base64>, "elapsed_s": ..., "counters": ...}
     {"cmd": "exit"}
 
-("collective": "transfers" takes "send" and "recv" lists instead of "data".)
+("collective": "transfers" takes "send" and "recv" lists instead of "data". "network":
+"scale-up" runs a ring collective or transfers over the scale-up NIC: the peers are then
+GPUs of this rack, with "up_ip" and "up_mac". The peers are the collective's group, which
+may be a few of the lab's GPUs: several groups run at once, each its own collective.)
 """
 from __future__ import annotations
 
@@ -88,6 +91,10 @@ class Agent:
                      for net, nic in self.nics.items()}
         params = params_of["scale-out"]
         peers = {p["rank"]: p for p in cmd["peers"]}
+        # the ring collectives' NIC: scale-up only among GPUs of one rack (the lab decides)
+        network = cmd.get("network", "scale-out")
+        if network not in self.nics:
+            raise ValueError(f"no {network} NIC on this host (rack fabrics have scale-up)")
         for nic in self.nics.values():
             nic.qps.clear()
             nic.rr.clear()
@@ -114,20 +121,21 @@ class Agent:
 
         if cmd["collective"] == "allreduce":
             data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32).copy()
-            algo = self._allreduce(cmd.get("algorithm", "ring"), cid, rank, peers, data, qp_to)
+            algo = self._allreduce(cmd.get("algorithm", "ring"), cid, rank, peers, data, qp_to,
+                                   network)
         elif cmd["collective"] in RING_COLLECTIVES:
             data = np.frombuffer(base64.b64decode(cmd["data"]), np.float32).copy()
             algo = self._ring(cmd["collective"], cid, rank, len(peers) + 1, data, qp_to,
-                              cmd.get("root", 0))
+                              cmd.get("root", 0), network)
         elif cmd["collective"] == "transfers":
             # recv: [{"rank", "bytes", "offset"}]: where each peer's message lands here;
             # send: [{"rank", "bytes", "offset"}]: where ours lands in the peer's region.
             size = max([r["offset"] + r["bytes"] for r in cmd["recv"]] + [1])
             region = Region(rkey=cid, buf=bytearray(size), base_va=REGION_VA)
-            recvs = {r["rank"]: (qp_to(r["rank"], region), r["offset"], r["bytes"])
+            recvs = {r["rank"]: (qp_to(r["rank"], region, network), r["offset"], r["bytes"])
                      for r in cmd["recv"]}
-            sends = {s["rank"]: (qp_to(s["rank"], region), s["bytes"], REGION_VA + s["offset"],
-                                 cid) for s in cmd["send"]}
+            sends = {s["rank"]: (qp_to(s["rank"], region, network), s["bytes"],
+                                 REGION_VA + s["offset"], cid) for s in cmd["send"]}
             algo = Transfers(rank, sends, recvs, region)
         else:
             raise ValueError(f"unknown collective {cmd['collective']!r}")
@@ -137,7 +145,8 @@ class Agent:
         self.pending = (cid, algo, op, cmd.get("timeout_s", 60.0))
         self.emit(event="ready", id=cid)
 
-    def _allreduce(self, algorithm: str, cid: int, rank: int, peers: dict, data, qp_to):
+    def _allreduce(self, algorithm: str, cid: int, rank: int, peers: dict, data, qp_to,
+                   network: str = "scale-out"):
         n = len(peers) + 1
 
         def region(nbytes: int) -> Region:
@@ -145,8 +154,8 @@ class Agent:
 
         if algorithm == "ring":
             r = region(RingAllReduce.region_bytes(len(data), n))
-            return RingAllReduce(rank, n, data, qp_to((rank + 1) % n, r),
-                                 qp_to((rank - 1) % n, r), r, REGION_VA, cid)
+            return RingAllReduce(rank, n, data, qp_to((rank + 1) % n, r, network),
+                                 qp_to((rank - 1) % n, r, network), r, REGION_VA, cid)
         if algorithm == "tree":
             r = region(TreeAllReduce.region_bytes(len(data), n))
             tree = [p for p in ((rank - 1) // 2, 2 * rank + 1, 2 * rank + 2)
@@ -173,14 +182,14 @@ class Agent:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
 
     @staticmethod
-    def _ring(kind: str, cid: int, rank: int, n: int, data, qp_to, root: int):
+    def _ring(kind: str, cid: int, rank: int, n: int, data, qp_to, root: int, network: str):
         """Reduce-scatter, all-gather or broadcast over the ring of ranks."""
         if kind == "broadcast":
             size = RingBroadcast.region_bytes(len(data), BROADCAST_PIECES)
         else:
             size = RingAllReduce.region_bytes(len(data), n)
         r = Region(rkey=cid, buf=bytearray(size), base_va=REGION_VA)
-        right, left = qp_to((rank + 1) % n, r), qp_to((rank - 1) % n, r)
+        right, left = qp_to((rank + 1) % n, r, network), qp_to((rank - 1) % n, r, network)
         if kind == "broadcast":
             return RingBroadcast(rank, n, root, data, right, left, r, REGION_VA, cid,
                                  BROADCAST_PIECES)

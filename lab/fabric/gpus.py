@@ -45,6 +45,14 @@ def scaleup(host: Host) -> HostInterface | None:
     return next((i for i in host.interfaces if i.network == "scale-up"), None)
 
 
+def innermost(hosts: list[Host]) -> str:
+    """The network a group of GPUs talks over: the scale-up domain when they all sit in
+    one rack's (the chattiest traffic kept on the innermost tier), else scale-out."""
+    if len({h.rack for h in hosts}) == 1 and all(scaleup(h) for h in hosts):
+        return "scale-up"
+    return "scale-out"
+
+
 def next_hop_mac(fabric: Fabric, src: Host, dst: Host, network: str) -> str:
     """The MAC a frame from src to dst is addressed to: the peer in the same subnet,
     else the gateway (the leaf routes it, rewriting MACs hop by hop)."""
@@ -189,9 +197,9 @@ class GpuAgents:
             for h, ev, why in self.ev_controller.on_event(host, msg):
                 self._send(h, cmd="deny_ev", ev=ev, why=why)
 
-    def _peers(self, h: Host) -> list[dict]:
+    def _peers(self, h: Host, members: list[Host]) -> list[dict]:
         peers = []
-        for r, p in enumerate(self.hosts):
+        for r, p in enumerate(members):
             if p is h:
                 continue
             peer = {"rank": r, "ip": p.interface(self.network).ip, "rack": p.rack or 0,
@@ -202,20 +210,29 @@ class GpuAgents:
         return peers
 
     def _run(self, commands: dict[str, dict], timeout_s: float,
-             allow_timeout: bool = False) -> dict[str, dict]:
+             allow_timeout: bool = False, groups: list[list[str]] | None = None
+             ) -> dict[str, dict]:
         """prepare on every host, wait until all are ready, start, collect (a host that
-        ran out of time reports what it did when allow_timeout is set)."""
+        ran out of time reports what it did when allow_timeout is set). groups: disjoint
+        sets of hosts, each running its own collective at once (ranks and peers count
+        within the group); None: one, every host. They share one collective id: no frame
+        crosses groups, so their QP numbers never meet."""
         cid = self.next_id
         self.next_id += 1
-        for rank, h in enumerate(self.hosts):
-            self._send(h.name, cmd="prepare", id=cid, rank=rank, peers=self._peers(h),
-                       timeout_s=timeout_s, **commands[h.name])
-        self._collect([h.name for h in self.hosts], "ready", timeout_s=60)
+        groups = groups or [[h.name for h in self.hosts]]
+        names = [n for g in groups for n in g]
+        for g in groups:
+            members = [self.fabric.host(n) for n in g]
+            for rank, h in enumerate(members):
+                self._send(h.name, cmd="prepare", id=cid, rank=rank,
+                           peers=self._peers(h, members), timeout_s=timeout_s,
+                           **commands[h.name])
+        self._collect(names, "ready", timeout_s=60)
         busy0, total0 = cpu_times()
-        for h in self.hosts:
-            self._send(h.name, cmd="start", id=cid)
+        for n in names:
+            self._send(n, cmd="start", id=cid)
         ends = ("done", "timeout") if allow_timeout else "done"
-        done = self._collect([h.name for h in self.hosts], ends, timeout_s + 10)
+        done = self._collect(names, ends, timeout_s + 10)
         busy1, total1 = cpu_times()
         if max(d["elapsed_s"] for d in done.values()) > MIN_JUDGED_S:
             self.machine_busy.append((busy1 - busy0) / max(1, total1 - total0))
@@ -235,9 +252,12 @@ class GpuAgents:
 
     def allreduce(self, data: list[np.ndarray], transport: str = "rc", op: str = "sum",
                   algorithm: str = "ring", params: dict | None = None,
-                  timeout_s: float = 120.0) -> CollectiveResult:
-        return self._tensors("allreduce", data, transport, params, timeout_s, op=op,
-                             algorithm=algorithm)
+                  timeout_s: float = 120.0, groups: list[list[str]] | None = None,
+                  networks: list[str] | None = None) -> CollectiveResult:
+        """groups: several all-reduces at once, one per group of hosts (data in the
+        groups' order), each over its network (scale-out unless `networks` says)."""
+        return self._tensors("allreduce", data, transport, params, timeout_s, groups,
+                             networks, op=op, algorithm=algorithm)
 
     def reduce_scatter(self, data: list[np.ndarray], transport: str = "rc",
                        params: dict | None = None, timeout_s: float = 120.0) -> CollectiveResult:
@@ -255,15 +275,20 @@ class GpuAgents:
         return self._tensors("broadcast", data, transport, params, timeout_s, root=root)
 
     def _tensors(self, collective: str, data: list[np.ndarray], transport: str,
-                 params: dict | None, timeout_s: float, **more) -> CollectiveResult:
-        """A collective over one float32 tensor per host, in host order."""
-        if len(data) != len(self.hosts):
-            raise LabError(f"{len(data)} tensors for {len(self.hosts)} GPU hosts")
-        done = self._run({h.name: dict(collective=collective, transport=transport,
-                                       params=params or {}, **more,
-                                       data=base64.b64encode(d.astype(np.float32).tobytes())
-                                       .decode())
-                          for h, d in zip(self.hosts, data)}, timeout_s).values()
+                 params: dict | None, timeout_s: float, groups: list[list[str]] | None = None,
+                 networks: list[str] | None = None, **more) -> CollectiveResult:
+        """A collective over one float32 tensor per host, in host order, or one per group
+        at once (`groups`; `data` then in the groups' order), each over its network
+        (`networks`, one per group; default scale-out)."""
+        names = [n for g in groups for n in g] if groups else [h.name for h in self.hosts]
+        if len(data) != len(names):
+            raise LabError(f"{len(data)} tensors for {len(names)} GPU hosts")
+        network = self._networks(groups, networks)
+        done = self._run({n: dict(collective=collective, transport=transport,
+                                  params=params or {}, network=network[n], **more,
+                                  data=base64.b64encode(d.astype(np.float32).tobytes())
+                                  .decode())
+                          for n, d in zip(names, data)}, timeout_s, groups=groups).values()
         return CollectiveResult(
             results=[np.frombuffer(base64.b64decode(d["result"]), np.float32) for d in done],
             elapsed_s=[d["elapsed_s"] for d in done],
@@ -272,35 +297,55 @@ class GpuAgents:
             rate_samples=[d["rate_samples"] for d in done],
             evs=[d.get("evs", {}) for d in done])
 
+    def _networks(self, groups: list[list[str]] | None,
+                  networks: list[str] | None) -> dict[str, str]:
+        """Each host's network for a (grouped) collective; a scale-up group must be one
+        rack's GPUs (only they share its scale-up switch)."""
+        groups = groups or [[h.name for h in self.hosts]]
+        networks = networks or [self.network] * len(groups)
+        if len(networks) != len(groups):
+            raise LabError(f"{len(networks)} networks for {len(groups)} groups")
+        for g, net in zip(groups, networks):
+            if net == "scale-up" and innermost([self.fabric.host(n) for n in g]) != net:
+                raise LabError(f"group {', '.join(g)}: scale-up needs GPUs of one rack")
+        return {n: net for g, net in zip(groups, networks) for n in g}
+
     def transfers(self, flows: list[tuple[str, str, int]], transport: str = "rc",
                   params: dict | None = None, timeout_s: float = 120.0,
-                  allow_timeout: bool = False) -> list[dict]:
+                  allow_timeout: bool = False, groups: list[list[str]] | None = None,
+                  networks: list[str] | None = None) -> list[dict]:
         """Send one message per (src, dst, nbytes) flow, all at once; return per flow:
         completion time, and whether the receiver's CRC-32 matches the sender's.
         allow_timeout: flows unfinished after timeout_s are reported (completion_s
-        None) instead of failing the call."""
-        rank = {h.name: r for r, h in enumerate(self.hosts)}
-        cmds = {h.name: dict(collective="transfers", transport=transport,
-                             params=params or {}, send=[], recv=[])
-                for h in self.hosts}
+        None) instead of failing the call. groups, networks: as for _tensors; a flow
+        stays within its group."""
+        groups = groups or [[h.name for h in self.hosts]]
+        rank = {n: r for g in groups for r, n in enumerate(g)}
+        group_of = {n: i for i, g in enumerate(groups) for n in g}
+        network = self._networks(groups, networks)
+        cmds = {n: dict(collective="transfers", transport=transport, params=params or {},
+                        network=network[n], send=[], recv=[]) for n in rank}
         for src, dst, nbytes in flows:
+            if group_of[src] != group_of[dst]:
+                raise LabError(f"flow {src} -> {dst} leaves its group")
             offset = sum(r["bytes"] for r in cmds[dst]["recv"])
             cmds[dst]["recv"].append({"rank": rank[src], "bytes": nbytes, "offset": offset})
             cmds[src]["send"].append({"rank": rank[dst], "bytes": nbytes, "offset": offset})
         cid = self.next_id
-        done = self._run(cmds, timeout_s, allow_timeout)
+        done = self._run(cmds, timeout_s, allow_timeout, groups)
         out = []
         for src, dst, nbytes in flows:
             s, d = done[src], done[dst]
             # the flow's two ends: at src the QP to dst, at dst the QP to src
             tx_qp, rx_qp = qpn_for(cid, rank[dst]), qpn_for(cid, rank[src])
+            key = f"{transport}:{'up:' if network[src] == 'scale-up' else ''}"
             received = d["recv_crc"].get(str(rank[src]))
             out.append({"src": src, "dst": dst, "bytes": nbytes,
                         "completion_s": s["finished_at"].get(str(rank[dst])),
                         "intact": None if received is None else
                         s["sent_crc"][str(rank[dst])] == received,
-                        "counters": s["counters"][f"{transport}:{tx_qp:#x}"],
-                        "receiver_counters": d["counters"][f"{transport}:{rx_qp:#x}"],
+                        "counters": s["counters"][f"{key}{tx_qp:#x}"],
+                        "receiver_counters": d["counters"][f"{key}{rx_qp:#x}"],
                         "sender_nic": s["nic"], "evs": s.get("evs", {}).get(f"{tx_qp:#x}"),
                         "rate_samples": {"t": s["rate_samples"]["t"],
                                          "sent": s["rate_samples"]["sent"][f"{tx_qp:#x}"]},

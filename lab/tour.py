@@ -70,6 +70,13 @@ CHAPTERS = (
     Chapter("Rack vs scale-out", "rack-vs-scaleout", (),
             "A hierarchical all-reduce uses the rack's fast scale-up links first and sends "
             "only a share over the slower scale-out NICs; a flat ring sends it all there."),
+    Chapter("A training job: the chattiest traffic on the innermost tier", "training-job", (),
+            "A model split three ways: tensor-parallel groups all-reduce many times per "
+            "layer, pipeline stages pass activations, data-parallel replicas all-reduce "
+            "gradients once a step. With each TP group inside a rack, its traffic rides "
+            "the scale-up links and the steps are short; spread across racks, the same "
+            "job waits on the scale-out network. A checkpoint written beside the "
+            "gradients' all-reduce slows it."),
 )
 
 

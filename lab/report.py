@@ -104,8 +104,8 @@ def thin(points: list[tuple[float, float]], n: int = POINTS_SHOWN) -> list[tuple
     return out
 
 
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
+def _save(plt, fig, path: Path, rect: tuple | None = None) -> Path:
+    fig.tight_layout(rect=rect)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -241,6 +241,101 @@ def plot_phase_breakdown(result: dict, out: Path) -> Path | None:
     return _save(plt, fig, out / "phase_breakdown.png")
 
 
+WAIT_CAUSES = {"agents": "C7", "wire": "C2", "paused": "C1", "retransmission": "C3",
+               "slow_path": "C4"}      # lab/experiments/waits.py's causes, in its order
+
+
+def plot_wait_causes(result: dict, out: Path) -> Path | None:
+    """Per variant, the mean wait per step split by cause (`wait_causes_mean`), with the
+    evidence counted over its steps (CNPs, retransmissions, pause frames)."""
+    data = {v: s for v, s in variants(result["metrics"]).items()
+            if s.get("wait_causes_mean") and isinstance(s.get("steps"), list)}
+    if not data:
+        return None
+    plt, fig, ax = _figure("Why the GPUs waited: mean wait per step, by cause", "",
+                           "time (ms)")
+    names = list(data)
+    bottom = [0.0] * len(names)
+    for cause, color in WAIT_CAUSES.items():
+        ms = [data[n]["wait_causes_mean"].get(cause, 0.0) * 1e3 for n in names]
+        ax.bar(range(len(names)), ms, bottom=bottom, color=color, label=cause)
+        bottom = [b + x for b, x in zip(bottom, ms)]
+    for i, n in enumerate(names):
+        seen = {k: sum(s.get("wait_evidence", {}).get(k, 0) for s in data[n]["steps"])
+                for k in ("cnps", "retransmitted", "pause_frames")}
+        text = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in seen.items() if v)
+        ax.text(i, bottom[i], text, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(plt, fig, out / "wait_causes.png")
+
+
+PHASE_COLORS = ("C1", "C3", "C4", "C0", "C5", "C6", "C8", "C9")   # compute is C2
+
+
+def plot_step_timeline(workdir: Path, result: dict, out: Path) -> Path | None:
+    """Per variant, its steps on the lab's clock: each phase as a span (compute, then
+    the communication phases), the phases' evidence above them, and below, the backlog
+    of the queues that were busiest during that variant: which wait met which queue."""
+    data = {v: s for v, s in variants(result["metrics"]).items()
+            if isinstance(s.get("steps"), list) and s["steps"]
+            and all("t0_unix" in st for st in s["steps"])}
+    if not data:
+        return None
+    busiest = list(result["metrics"].get("telemetry", {}).get("busiest_queues", {}))
+    series = queue_series(workdir, busiest)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2 * len(data), 1, figsize=(8, 0.8 + 2.6 * len(data)), dpi=100,
+                             gridspec_kw={"height_ratios": [1, 2] * len(data)}, squeeze=False)
+    fig.suptitle("Why the GPUs waited: steps, phases and the busiest queues over time")
+    kinds: dict[str, str] = {}
+    for k, (variant, section) in enumerate(data.items()):
+        top, low = axes[2 * k, 0], axes[2 * k + 1, 0]
+        steps = section["steps"]
+        start = steps[0]["t0_unix"]
+        end = max(ph["t0_unix"] + ph["s"] for st in steps for ph in st["phases"])
+        for st in steps:
+            for ph in st["phases"]:
+                kind = "compute" if ph["phase"] == "compute" else ph["phase"].rstrip("0123456789")
+                kinds.setdefault(kind, "C2" if kind == "compute" else
+                                 PHASE_COLORS[(len(kinds) - 1) % len(PHASE_COLORS)])
+                top.broken_barh([(ph["t0_unix"] - start, ph["s"])], (0, 1), color=kinds[kind])
+                seen = ph.get("evidence", {})
+                marks = [f"{seen[key]}{label}" for key, label in
+                         (("retransmitted", "R"), ("cnps", "C"), ("pause_frames", "P"))
+                         if seen.get(key)]
+                if marks:
+                    top.text(ph["t0_unix"] - start, 1.05, " ".join(marks), fontsize=6)
+        top.set_xlim(0, end - start)
+        top.set_ylim(0, 1.6)
+        top.set_yticks([])
+        top.set_title(f"variant {variant}", fontsize=10, loc="left")
+        peaks = {key: max((b for t, b in zip(*series[key]) if start <= t <= end), default=0)
+                 for key in series}
+        for i, key in enumerate(sorted((q for q in peaks if peaks[q]), key=peaks.get,
+                                       reverse=True)[:3]):
+            t, b = series[key]
+            first = max(0, next((j for j, x in enumerate(t) if x >= start), len(t)) - 1)
+            shown = [(x, y) for x, y in zip(t[first:], b[first:]) if x <= end]
+            if shown:
+                shown = thin(shown) + [(end, shown[-1][1])]
+                low.step([max(x, start) - start for x, _ in shown],
+                         [y / 1024 for _, y in shown], where="post", lw=0.8, label=key,
+                         color=f"C{i}")
+        low.set_xlim(0, end - start)
+        low.set_ylabel("backlog (KB)", fontsize=8)
+        low.grid(alpha=0.3)
+        if low.lines:
+            low.legend(fontsize=6, loc="upper right")
+    axes[-1, 0].set_xlabel("time since the variant's first step (s); above the phases: "
+                           "R retransmitted, C CNPs, P pause frames")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in kinds.values()],
+               labels=list(kinds), fontsize=7, loc="lower center", ncol=len(kinds))
+    return _save(plt, fig, out / "step_timeline.png", rect=(0, 0.03, 1, 1))
+
+
 EV_STATE_COLORS = {"good": "C2", "assumed_bad": "C3", "probing": "C1", "denied": "C7"}
 
 
@@ -278,6 +373,8 @@ def make_plots(workdir: Path, result: dict) -> list[tuple[str, Path]]:
     out.mkdir(exist_ok=True)
     plots = [("Step time: compute vs waiting", plot_step_breakdown(result, out)),
              ("Step time by phase", plot_phase_breakdown(result, out)),
+             ("Why the GPUs waited", plot_wait_causes(result, out)),
+             ("Steps and queues over time", plot_step_timeline(workdir, result, out)),
              ("Queue backlog over time", plot_queues(workdir, result, out))]
     for path in sorted(workdir.glob("flows-*.csv")):
         plots.append((f"Per-flow rates ({path.stem.removeprefix('flows-')})",

@@ -42,7 +42,7 @@ from topologies.registry import TOPOLOGIES, make_params
 log = logging.getLogger(__name__)
 RESULTS_DIR = Path("results")
 LIVE_EVERY_S = 1.0
-NOT_EXPERIMENTS = ("base", "common")    # lab/experiments/ modules that are not one
+NOT_EXPERIMENTS = ("base", "common", "waits")   # lab/experiments/ modules that are not one
 # what is worth seeing in a capture: CNPs, CE-marked packets, pause frames
 CAPTURE_FILTER = "infiniband.bth.opcode == 129 || ip.dsfield.ecn == 3 || macc"
 

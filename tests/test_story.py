@@ -23,8 +23,16 @@ def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path)
     assert clean["allreduce_s_mean"] >= m["model_allreduce_s"]
     assert incast["idle_fraction_mean"] > clean["idle_fraction_mean"], r.stdout
     assert incast["background_rounds"] >= 1 and incast["background_error"] is None
+    # why the GPUs waited: each step's all-reduce split into causes that add up to it;
+    # resent packets show as time spent on retransmission
+    for st in clean["steps"] + incast["steps"]:
+        assert sum(st["wait_causes"].values()) == pytest.approx(st["allreduce_s"], abs=1e-3)
+        assert st["wait_causes"]["wire"] > 0
+    if incast["retransmitted_packets"]:
+        assert sum(s["wait_causes"]["retransmission"] for s in incast["steps"]) > 0, r.stdout
     md = (out / "report.md").read_text()
-    assert "plots/step_breakdown.png" in md and (out / "plots" / "step_breakdown.png").exists()
+    for plot in ("step_breakdown", "wait_causes", "step_timeline"):
+        assert f"plots/{plot}.png" in md and (out / "plots" / f"{plot}.png").exists()
 
 
 def test_routes_skip_a_failed_link():

@@ -106,8 +106,20 @@ def test_training_job_at_the_defaults(tmp_path):
     # data-parallel replica 0 (4 GPUs) wrote its shards, intact
     assert len(ckpt["writers"]) == 4 and ckpt["intact"]
     assert ckpt["bytes"] == 4 * m["job"]["checkpoint_kb"] * 1024
-    assert (out / "plots" / "phase_breakdown.png").exists()
-    assert "plots/phase_breakdown.png" in (out / "report.md").read_text()
+    # why the GPUs waited: a step's causes add up to its communication (the phases'
+    # wall times), and the checkpoint's step waited on a slow path (its NICs shared)
+    for v in ("tp-in-rack", "tp-across", "checkpoint"):
+        for s in m[v]["steps"]:
+            comm = sum(ph["s"] for ph in s["phases"] if ph["phase"] != "compute")
+            assert sum(s["wait_causes"].values()) == pytest.approx(comm, abs=2e-3)
+    ck = m["checkpoint"]["steps"]
+    mid = [s for s in ck if s["checkpoint"]][0]
+    assert mid["waited_most_on"] == "slow_path", mid
+    assert mid["wait_causes"]["slow_path"] > max(s["wait_causes"]["slow_path"]
+                                                 for s in ck if not s["checkpoint"])
+    md = (out / "report.md").read_text()
+    for plot in ("phase_breakdown", "wait_causes", "step_timeline"):
+        assert f"plots/{plot}.png" in md and (out / "plots" / f"{plot}.png").exists()
 
 
 def test_a_moe_job_file_runs_its_all_to_all_with_unequal_sizes(tmp_path):

@@ -426,6 +426,24 @@ def test_mrc_resent_packets_neither_time_the_path_nor_pass_others():
     assert not qa.retx and qa.counters.timeouts == 1   # seqs 1-19 still in flight, not lost
 
 
+def test_the_wait_for_timeouts_counts_overlapping_waits_once():
+    """timeout_wait_ms: how long lost packets waited for the timers that found them;
+    two packets lost 10 ms apart waited rto + 10 ms together, not twice the rto."""
+    _, _, qa, _, region = pair("mrc")
+    qa.post_write(os.urandom(4 * 1024), region.base_va, 7, tag=1)
+    qa.next_frame(0.0)
+    qa.next_frame(0.01)
+    qa.on_timer(qa.rto_s + 0.001)                     # the first times out
+    qa.on_timer(qa.rto_s + 0.011)                     # the second
+    assert qa.counters.timeouts == 2
+    assert qa.counters.timeout_wait_ms == pytest.approx((qa.rto_s + 0.011) * 1e3)
+    _, _, ra, _, region = pair("rc")
+    ra.post_write(os.urandom(4 * 1024), region.base_va, 7, tag=1)
+    ra.next_frame(0.0)
+    ra.on_timer(ra.rto_s + 0.002)                     # go back N: waited from the send
+    assert ra.counters.timeout_wait_ms == pytest.approx((ra.rto_s + 0.002) * 1e3)
+
+
 def test_mrc_window_shrinks_on_ecn_echo():
     nic_a, nic_b, qa, qb, region = pair("mrc", mark=mark_ce)
     data = os.urandom(300_000)

@@ -398,7 +398,7 @@ class MrcQP(QueuePair):
                 continue
             if now - f.sent_at < self.rto_s:
                 break                          # and so is every later one
-            self.counters.timeouts += 1
+            self.timed_out(f.sent_at, now)
             self._lost(f, now)
         if len(self.good_evs) < len(self.evs) and not self.idle():
             out += self._probe(now)

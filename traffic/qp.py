@@ -38,6 +38,9 @@ class Counters:
     acks_sent: int = 0
     naks_sent: int = 0
     timeouts: int = 0
+    timeout_wait_ms: float = 0.0    # how long lost packets waited for the timers that
+                                    # found them: their spans from sending (RC: from the
+                                    # last progress) to the timeout, overlaps counted once
     ecn_marked: int = 0
     cnps_sent: int = 0
     cnps_received: int = 0
@@ -102,6 +105,7 @@ class QueuePair:
         self.counters = Counters()
         self.events: list[tuple] = []       # ("received", tag, nbytes) / ("sent", tag)
         self.messages: list[Message] = []
+        self.waited_until = float("-inf")   # the end of the last span timeout_wait_ms has
 
     def segment(self, msg: Message, first_seq: int) -> None:
         msg.first_seq = first_seq
@@ -128,6 +132,12 @@ class QueuePair:
             else:
                 keep.append(msg)
         self.messages = keep
+
+    def timed_out(self, since: float, now: float) -> None:
+        """A retransmit timer fired at `now` for what waited from `since`."""
+        self.counters.timeouts += 1
+        self.counters.timeout_wait_ms += max(0.0, now - max(since, self.waited_until)) * 1e3
+        self.waited_until = max(self.waited_until, now)
 
     def idle(self) -> bool:
         return not self.messages

@@ -121,7 +121,7 @@ class RcQP(QueuePair):
 
     def on_timer(self, now: float) -> list[bytes]:
         if self.snd_una < self.snd_nxt and now >= self.last_progress + self.rto_s:
-            self.counters.timeouts += 1
+            self.timed_out(self.last_progress, now)
             self.snd_nxt = self.snd_una          # go back N
             self.last_progress = now
         return []

@@ -45,6 +45,7 @@ import numpy as np
 import yaml
 
 from lab.core.errors import UsageError
+from lab.experiments import waits
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import rc_params, traffic_timeout_s
 from lab.fabric.congestion import CongestionParams, set_congestion
@@ -240,10 +241,6 @@ def group_means_hold(groups: list[list[str]], data: list[np.ndarray], res) -> bo
     return True
 
 
-def retransmitted(counters: list[dict]) -> int:
-    return sum(c.get("retransmitted", 0) for per in counters for c in per.values())
-
-
 class Step:
     """One step's phases on the job's agents, each timed on the lab's clock."""
 
@@ -257,39 +254,63 @@ class Step:
         self.phases: list[dict] = []
         self.correct = True
 
-    def _timed(self, name: str, fn, **more) -> None:
-        t0 = time.monotonic()
-        retx = fn()
-        self.phases.append({"phase": name, "s": round(time.monotonic() - t0, 4),
-                            "retransmitted": retx, **more})
+    def _rate_mbps(self, network: str) -> float:
+        return self.ctx.fabric.hosts[0].interface(network).rate_mbps
+
+    def _timed(self, name: str, fn) -> None:
+        """Run one phase; record its wall time and what fn returns: the agents' elapsed
+        time, the wire's (bandwidth term), the evidence (waits.evidence), more."""
+        t0, t0_unix = time.monotonic(), time.time()
+        elapsed_s, wire_s, ev, more = fn()
+        wall_s = time.monotonic() - t0
+        self.phases.append({"phase": name, "t0_unix": round(t0_unix, 4), "s": round(wall_s, 4),
+                            "wire_s": round(wire_s, 4), "retransmitted": ev["retransmitted"],
+                            "causes": waits.split(wall_s, elapsed_s, wire_s, ev),
+                            "evidence": ev, **more})
 
     def allreduce(self, name: str, groups: list[list[str]], networks: list[str],
                   kb: int) -> None:
-        def go() -> int:
+        def go():
             data = tensors(self.rng, groups, kb)
             res = self.gpus.allreduce(data, self.ctx.params.transport, op="mean",
                                       params=self.rc, timeout_s=self.timeout_s,
                                       groups=groups, networks=networks)
             self.correct &= group_means_hold(groups, data, res)
-            return retransmitted(res.counters)
+            wire_s = max(2 * (len(g) - 1) / len(g) * kb * 1024 * 8 / (self._rate_mbps(net) * 1e6)
+                         for g, net in zip(groups, networks))
+            slowest = min(self._rate_mbps(net) for net in networks)
+            return (res.time_s, wire_s,
+                    waits.evidence(res.counters, res.nic, res.evs, slowest), {})
         self._timed(name, go)
 
     def transfers(self, name: str, flows: list[tuple[str, str, int]],
                   groups: list[list[str]], networks: list[str]) -> None:
-        def go() -> int:
+        def go():
             out = self.gpus.transfers(flows, self.ctx.params.transport, params=self.rc,
                                       timeout_s=self.timeout_s, groups=groups,
                                       networks=networks)
             self.correct &= all(f["intact"] for f in out)
-            return sum(f["counters"]["retransmitted"] for f in out)
-        self._timed(name, go, flow_bytes=[n for _, _, n in flows])
+            net = {h: n for g, n in zip(groups, networks) for h in g}
+            sent: dict[str, int] = {}
+            got: dict[str, int] = {}
+            for src, dst, n in flows:
+                sent[src] = sent.get(src, 0) + n
+                got[dst] = got.get(dst, 0) + n
+            # a GPU's NIC sends and receives at its line rate, each way on its own
+            wire_s = max((max(sent.get(h, 0), got.get(h, 0)) * 8 / (self._rate_mbps(net[h]) * 1e6)
+                          for h in net), default=0.0)
+            elapsed_s = max((f["completion_s"] or 0.0 for f in out), default=0.0)
+            slowest = min(self._rate_mbps(n) for n in networks)
+            return (elapsed_s, wire_s, waits.flows_evidence(out, slowest),
+                    {"flow_bytes": [n for _, _, n in flows]})
+        self._timed(name, go)
 
     def run(self, checkpoint: Checkpoint | None = None) -> dict:
         p, lay, fab = self.ctx.params, self.layout, self.ctx.fabric
-        t0 = time.monotonic()
+        t0, t0_unix = time.monotonic(), time.time()
         time.sleep(p.compute_ms / 1000)                 # every GPU computes
-        self.phases.append({"phase": "compute", "s": round(time.monotonic() - t0, 4),
-                            "retransmitted": 0})
+        self.phases.append({"phase": "compute", "t0_unix": round(t0_unix, 4),
+                            "s": round(time.monotonic() - t0, 4), "retransmitted": 0})
         for k in range(p.tp_allreduces):
             self.allreduce(f"tp{k}", lay.tp, lay.networks(fab, "tp"), p.tp_allreduce_kb)
         if p.pp > 1:
@@ -309,8 +330,12 @@ class Step:
                 checkpoint.start()
             self.allreduce("dp", lay.dp, lay.networks(fab, "dp"), p.dp_grad_kb)
         step_s = time.monotonic() - t0
-        return {"step_s": round(step_s, 4), "phases": self.phases, "correct": self.correct,
+        why = waits.total(self.phases)
+        return {"step_s": round(step_s, 4), "t0_unix": round(t0_unix, 4),
+                "phases": self.phases, "correct": self.correct,
                 "idle_fraction": round(1 - p.compute_ms / 1000 / step_s, 4),
+                "wait_causes": why["causes"], "wait_evidence": why["evidence"],
+                "waited_most_on": why["main"],
                 "checkpoint": checkpoint is not None}
 
     def _moe_sizes(self, groups: list[list[str]]) -> list[tuple[str, str, int]]:
@@ -388,7 +413,8 @@ def run(ctx: RunContext) -> dict:
                     steps.append(Step(ctx, gpus, layout, rc, rng).run(
                         ckpt if s == mid else None))
                     log.info(f"  step {s}: {steps[-1]['step_s'] * 1e3:.0f} ms, GPU idle "
-                             f"{steps[-1]['idle_fraction']:.0%}" +
+                             f"{steps[-1]['idle_fraction']:.0%}, beyond the wire: mostly "
+                             f"{steps[-1]['waited_most_on']}" +
                              (" (checkpoint written beside the DP all-reduce)"
                               if s == mid else ""))
                 cpu_bound.update(gpus.cpu_bound())
@@ -400,6 +426,7 @@ def run(ctx: RunContext) -> dict:
              "step_s_mean": round(statistics.mean(s["step_s"] for s in steps), 4),
              "idle_fraction_mean": round(statistics.mean(s["idle_fraction"] for s in steps), 4),
              "phase_s_mean": phase_totals(steps),
+             "wait_causes_mean": waits.mean_causes(steps),
              "retransmitted_packets": sum(ph["retransmitted"] for s in steps
                                           for ph in s["phases"]),
              "all_correct": all(s["correct"] for s in steps)}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.core.errors import UsageError
+from lab.experiments import waits
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import SwitchDrops, rc_params, traffic_timeout_s
 from lab.fabric.congestion import CongestionParams, set_congestion
@@ -139,17 +140,31 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
     rate_mbps = gpus.hosts[0].interface().rate_mbps
     steps = []
     drops = SwitchDrops(ctx.net, ctx.telemetry)
+    # the all-reduce's bandwidth term: a ring sends each GPU's vector out twice, nearly
+    # (reduce-scatter, all-gather)
+    wire_s = 2 * (n - 1) / n * p.grad_kb * 1024 * 8 / (rate_mbps * 1e6)
     for s in range(p.steps):
+        t0_unix = time.time()
         time.sleep(p.compute_ms / 1000)        # every GPU computes: the network is idle
         grads = [rng.standard_normal(elems).astype(np.float32) for _ in range(n)]
-        # a ring sends each GPU's vector out twice, nearly: reduce-scatter, all-gather
+        comm_unix = time.time()
         res = gpus.allreduce(grads, transport, op="mean", params=params,
                              timeout_s=traffic_timeout_s(2 * p.grad_kb * 1024, rate_mbps))
         expected = np.mean(np.stack(grads), axis=0)
         ok = all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)
         comm_s = res.time_s
         step_s = p.compute_ms / 1000 + comm_s
-        steps.append({"step": s, "allreduce_s": round(comm_s, 4), "step_s": round(step_s, 4),
+        # the wait is the all-reduce's own time here (the lab's cost of a call is left out)
+        ev = waits.evidence(res.counters, res.nic, res.evs, rate_mbps)
+        why = waits.total([{"causes": waits.split(comm_s, comm_s, wire_s, ev), "evidence": ev}])
+        steps.append({"step": s, "t0_unix": round(t0_unix, 4),
+                      "phases": [{"phase": "compute", "t0_unix": round(t0_unix, 4),
+                                  "s": p.compute_ms / 1000},
+                                 {"phase": "allreduce", "t0_unix": round(comm_unix, 4),
+                                  "s": round(comm_s, 4)}],
+                      "wait_causes": why["causes"], "wait_evidence": why["evidence"],
+                      "waited_most_on": why["main"],
+                      "allreduce_s": round(comm_s, 4), "step_s": round(step_s, 4),
                       "idle_fraction": round(comm_s / step_s, 4), "correct": ok,
                       "retransmitted": sum(c.get("retransmitted", 0) for per in res.counters
                                            for c in per.values()),
@@ -158,12 +173,13 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
                       "naks": sum(c.get("naks_sent", 0) for per in res.counters
                                   for c in per.values())})
         log.info(f"  step {s}: all-reduce {comm_s * 1e3:.0f} ms, GPU idle "
-                 f"{comm_s / step_s:.0%}")
+                 f"{comm_s / step_s:.0%}, beyond the wire: mostly {why['main']}")
     return {"steps": steps,
             "step_s_mean": round(statistics.mean(x["step_s"] for x in steps), 4),
             "allreduce_s_mean": round(statistics.mean(x["allreduce_s"] for x in steps), 4),
             "allreduce_s_max": max(x["allreduce_s"] for x in steps),
             "idle_fraction_mean": round(statistics.mean(x["idle_fraction"] for x in steps), 4),
+            "wait_causes_mean": waits.mean_causes(steps),
             "retransmitted_packets": sum(x["retransmitted"] for x in steps),
             "timeouts": sum(x["timeouts"] for x in steps),
             "naks": sum(x["naks"] for x in steps),

@@ -75,6 +75,38 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, 
         probes_equal_the_wire(out, mrc)
 
 
+@pytest.mark.parametrize("failure", ["degrade", "flap", "burst-loss"])
+def test_gray_failures_at_the_defaults(tmp_path, failure):
+    """A link that slows, flaps or loses bursts without staying down: every claim at the
+    defaults, what the failure did recorded, and nothing of it left behind."""
+    out = tmp_path / "gray"
+    r = fabriclab("run", "link-failure", "--set", f"failure={failure}", "--out", str(out),
+                  timeout=600)
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
+    result = json.loads((out / "metrics.json").read_text())
+    assert all(c["passed"] for c in result["claims"]), r.stdout
+    rc, mrc = result["metrics"]["rc"], result["metrics"]["mrc"]
+    for m in (rc, mrc):
+        assert m["failure"] == failure
+        if failure == "degrade":
+            assert m["degraded_to_mbps"] == pytest.approx(0.25 * 10.0 * pace_factor(result))
+        elif failure == "flap":
+            assert m["flaps"] >= 2
+        else:                  # every burst dropped frames (the RC and MRC data there)
+            assert m["bursts"] >= 2 and m["burst_dropped"] > 0
+    if failure == "burst-loss":
+        # the bursts' losses were resent (they drop acknowledgements and probes too, so
+        # the counts differ)
+        assert rc["retransmitted_packets"] > 0 and mrc["retransmitted_packets"] > 0
+    from lab.kernel import impair
+    assert impair.gray_tables() == []          # the burst table went with the run
+
+
+def pace_factor(result: dict) -> float:
+    """The machine factor the runner applied to the default rates (1 on a fast machine)."""
+    return result["topology"]["host_rate_mbps"] / 10.0
+
+
 def probes_equal_the_wire(out, mrc: dict) -> None:
     """MRC's out-of-band probes (opcode 0xC3) on the sender's port against its EVs'
     histories: a probe frame from the sender for each "probe sent", and an answer from

@@ -18,11 +18,22 @@ routing it stands for.
 Stall: the longest time after the failure in which the bytes delivered (summed over
 every receiving QP) did not grow. Then the link comes back, and the routes with it,
 before the next variant.
+
+Gray failures (`failure`), where the link never stays down, so routing that watches
+link state sees nothing, or sees it come and go:
+  degrade     the link's rate drops to `degrade_to` of itself, both ways, until the
+              work is done: RC's QP pinned to it crawls, its go-back-N resending into
+              the slow port's full queue; MRC's packets on that EV wait in it, the
+              others go on over the other spines
+  flap        down for half of every `flap_period_ms`, up for the other half: each
+              down is a link-down event; the controller reroutes after its delay
+  burst-loss  every RoCE frame the leaf sends on it dropped for `burst_ms` of every
+              `burst_every_ms` (counted): RC goes back N after each burst, MRC resends
+              what was lost and retires the EV
 """
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -31,12 +42,14 @@ from pathlib import Path
 import numpy as np
 
 from lab.core.errors import LabError, UsageError
-from lab.fabric.evs import EvController
-from lab.fabric.gpus import GpuAgents, explicit_evs
-from topologies.fabric import interface_name
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import traffic_timeout_s
 from lab.fabric import events
+from lab.fabric.evs import EvController
+from lab.fabric.gpus import GpuAgents, explicit_evs
+from lab.kernel import queues
+from lab.kernel.impair import BurstLoss, Flap, set_link
+from topologies.fabric import interface_name
 
 log = logging.getLogger(__name__)
 NAME = "link-failure"
@@ -48,6 +61,9 @@ STALL_RATIO = 0.5           # MRC's stall under half of RC's
 WINDOW_S = 0.2              # the uplinks' traffic is read over this long before the failure
 WORKLOADS = ("allreduce", "transfer")
 EV_POLICIES = ("deny", "watch")
+FAILURES = ("down", "degrade", "flap", "burst-loss")
+SETTLE_GRACE_S = 0.5        # a link event reaches the controller's log within this
+GRAY_RATIO = 0.5            # gray failures: MRC's completion (or resends) under half RC's
 
 SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (calibrate.py)
 
@@ -60,8 +76,21 @@ class Params:
     fail_after_s: float = 0.6
     reroute_delay_ms: float = 1500.0
     ev_policy: str = "deny"       # the EV controller: deny (EVs of failed links) | watch
+    failure: str = "down"         # down | degrade | flap | burst-loss (gray failures)
+    degrade_to: float = 0.25      # failure=degrade: the link's rate, as a share of its own
+    # (at 0.1, RC's QP took 79 s: go-back-N timeouts behind the slow port's full queue)
+    flap_period_ms: float = 400.0  # failure=flap: down half of it, up the other half
+    burst_ms: float = 40.0        # failure=burst-loss: each burst drops every RoCE frame
+    burst_every_ms: float = 200.0  # ...and one starts this often
 
     def validate(self) -> None:
+        if self.failure not in FAILURES:
+            raise UsageError(f"failure must be one of {', '.join(FAILURES)}, "
+                             f"got {self.failure!r}")
+        if not 0 < self.degrade_to < 1 or self.flap_period_ms <= 0 or \
+                not 0 < self.burst_ms < self.burst_every_ms:
+            raise UsageError("need 0 < degrade_to < 1, flap_period_ms > 0 and "
+                             "0 < burst_ms < burst_every_ms")
         if self.topology != "leaf-spine":
             raise UsageError("link-failure needs topology=leaf-spine")
         if self.workload not in WORKLOADS:
@@ -86,11 +115,47 @@ def tx_bytes(intf: str) -> int:
     return int(Path(f"/sys/class/net/{intf}/statistics/tx_bytes").read_text())
 
 
-def set_link(intf: str, up: bool) -> None:
-    r = subprocess.run(["ip", "link", "set", intf, "up" if up else "down"],
-                       capture_output=True, text=True)
-    if r.returncode:
-        raise LabError(f"could not set {intf} {'up' if up else 'down'}: {r.stderr.strip()}")
+class Failure:
+    """What happens to the failed link (Params.failure), from start() until stop()."""
+
+    def __init__(self, ctx: RunContext, intf: str):
+        p = ctx.params
+        self.kind, self.intf, self.ctx = p.failure, intf, ctx
+        link = next(ln for ln in ctx.fabric.links
+                    if intf in (interface_name(ln.a, ln.a_port), interface_name(ln.b, ln.b_port)))
+        self.ends = [interface_name(link.a, link.a_port), interface_name(link.b, link.b_port)]
+        self.rate_mbps = link.rate_mbps
+        self.repeating = Flap(intf, p.flap_period_ms / 1000) if self.kind == "flap" else \
+            BurstLoss(intf, p.burst_ms / 1000, p.burst_every_ms / 1000) \
+            if self.kind == "burst-loss" else None
+
+    def start(self) -> None:
+        if self.kind == "down":
+            set_link(self.intf, up=False)
+        elif self.kind == "degrade":
+            for end in self.ends:
+                queues.set_rate(end, self.rate_mbps * self.ctx.params.degrade_to,
+                                self.ctx.net.queue_params)
+        else:
+            self.repeating.start()
+
+    def stop(self) -> dict:
+        """The link whole again; what the failure did (flaps, frames dropped)."""
+        if self.kind == "down":
+            set_link(self.intf, up=True)
+            return {}
+        if self.kind == "degrade":
+            for end in self.ends:
+                queues.set_rate(end, self.rate_mbps, self.ctx.net.queue_params)
+            return {"degraded_to_mbps": round(self.rate_mbps * self.ctx.params.degrade_to, 3)}
+        self.repeating.stop()
+        if self.kind == "flap":
+            return {"flaps": self.repeating.cycles}
+        return {"bursts": self.repeating.cycles, "burst_dropped": self.repeating.lost}
+
+    @property
+    def link_goes_down(self) -> bool:
+        return self.kind in ("down", "flap")
 
 
 def stall_s(samples: dict, since: float) -> float:
@@ -117,6 +182,26 @@ def wait_reroute(ctx: RunContext, since: float, timeout_s: float) -> float | Non
             return done[0]
         time.sleep(0.05)
     return None
+
+
+def settle_routes(ctx: RunContext, since: float, t_up: float) -> None:
+    """Wait for the routes to be whole again after the link came up for good at `t_up`:
+    the controller reroutes `reroute_delay_ms` after every link event, so after a flap
+    the reroutes of earlier events still come; the one after the last event leaves every
+    route in place. (The last event is logged a little after the link comes up: it is
+    looked for until SETTLE_GRACE_S after t_up.)"""
+    delay = ctx.params.reroute_delay_ms / 1000
+    deadline = time.time() + delay + 5
+    while time.time() < deadline:
+        seen = events.read(ctx.workdir / "routing-events.jsonl", since)
+        last = max((e["t"] for e in seen if e["event"] in ("link_down", "link_up")),
+                   default=since)
+        if time.time() > t_up + SETTLE_GRACE_S and any(
+                e["event"] == "rerouted" and e["t"] >= last + delay - 0.05 for e in seen):
+            return
+        time.sleep(0.05)
+    raise LabError(f"the routes were not whole again {delay + 5:.1f} s after the link "
+                   f"came back (routing-events.jsonl)")
 
 
 def merged_delivery(series: list[dict]) -> dict:
@@ -186,19 +271,30 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> 
     time.sleep(WINDOW_S)
     load = [tx_bytes(i) - b for i, b in zip(links, before)]
     failed = links[max(range(len(links)), key=load.__getitem__)]
+    failure = Failure(ctx, failed)
     t_fail = time.time()
-    set_link(failed, up=False)
-    log.info(f"  {failed} down at {t_fail - t0:.2f} s (uplink bytes in the last "
+    failure.start()
+    log.info(f"  {failed}: {p.failure} at {t_fail - t0:.2f} s (uplink bytes in the last "
              f"{WINDOW_S:.1f} s: {load})")
-    flow.join(timeout=time_limit_s(ctx, gpus) + 60)   # its own limit ends it first
-    rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
+    # the failure lasts as long as the work (whose own time limit ends it first)
+    flow.join(timeout=time_limit_s(ctx, gpus) + 60)
+    if failure.kind == "down":
+        rerouted = wait_reroute(ctx, t_fail, p.reroute_delay_ms / 1000 + 5)
     t_up = time.time()
-    set_link(failed, up=True)
-    wait_reroute(ctx, t_up, p.reroute_delay_ms / 1000 + 5)   # the routes are whole again
+    did = failure.stop()
+    routing = events.read(ctx.workdir / "routing-events.jsonl", t_fail)
+    if failure.kind != "down":
+        rerouted = next((e["t"] for e in routing
+                         if e["event"] == "rerouted" and e["t"] < t_up), None)
+    if failure.link_goes_down:
+        settle_routes(ctx, t_fail, t_up)
     if not result:
         raise LabError(f"the {transport} {p.workload} did not finish")
-    return {"failed_link": failed, "failed_at_s": round(t_fail - t0, 3),
+    return {"failed_link": failed, "failure": failure.kind, **did,
+            "failed_at_s": round(t_fail - t0, 3),
             "uplink_bytes_before": load,
+            "link_down_events": sum(e["event"] == "link_down" for e in routing
+                                    if e["t"] < t_up),
             "rerouted_after_s": round(rerouted - t_fail, 3) if rerouted else None,
             "stall_s": stall_s(result["delivery"], t_fail),
             "completion_s": round(result["completion_s"], 3),
@@ -263,18 +359,50 @@ def group_by_ev(changes: list[dict]) -> dict[tuple[int, str], list[dict]]:
 
 def claims(params: Params, m: dict) -> list[Claim]:
     rc, mrc = m["rc"], m["mrc"]
-    return [
-        Claim("both runs deliver every byte intact (all-reduce: every GPU holds the mean)",
-              rc["intact"] and mrc["intact"],
-              {"rc": rc["intact"], "mrc": mrc["intact"]}, "both True"),
-        Claim("the controller rerouted around the failed link",
-              rc["rerouted_after_s"] is not None and mrc["rerouted_after_s"] is not None,
-              {"rc": rc["rerouted_after_s"], "mrc": mrc["rerouted_after_s"]}, "seconds, both",
-              "s"),
-        Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
-              mrc["stall_s"] < STALL_RATIO * rc["stall_s"],
-              f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s"),
-    ] + ([denial_claim(mrc)] if params.ev_policy == "deny" else [])
+    out = [Claim("both runs deliver every byte intact (all-reduce: every GPU holds the mean)",
+                 rc["intact"] and mrc["intact"],
+                 {"rc": rc["intact"], "mrc": mrc["intact"]}, "both True")]
+    stall = Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
+                  mrc["stall_s"] < STALL_RATIO * rc["stall_s"],
+                  f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s")
+    if params.failure == "down":
+        return out + [
+            Claim("the controller rerouted around the failed link",
+                  rc["rerouted_after_s"] is not None and mrc["rerouted_after_s"] is not None,
+                  {"rc": rc["rerouted_after_s"], "mrc": mrc["rerouted_after_s"]},
+                  "seconds, both", "s"),
+            stall] + ([denial_claim(mrc)] if params.ev_policy == "deny" else [])
+    if params.failure == "flap":
+        downs = {"rc": rc["link_down_events"], "mrc": mrc["link_down_events"]}
+        # RC's pinned QP loses what it sends in every down and waits out its timer; MRC
+        # retires the EV and probes it back between downs (measured, 4 runs: MRC done in
+        # 0.64-0.81 of RC's time)
+        return out + [Claim("the routing saw the link go down again and again (it flapped)",
+                            min(downs.values()) >= 2, downs, ">= 2 link-down events, both"),
+                      Claim("MRC finishes sooner than RC (RC's QP stays pinned to the "
+                            "flapping link)", mrc["completion_s"] < rc["completion_s"],
+                            f"mrc {mrc['completion_s']} s", f"< rc {rc['completion_s']} s")]
+    # a gray failure the routing cannot see: the link stays up
+    seen = {v: {"link_down_events": x["link_down_events"],
+                "rerouted": x["rerouted_after_s"] is not None}
+            for v, x in (("rc", rc), ("mrc", mrc))}
+    out.append(Claim(f"the routing saw nothing ({params.failure}: the link never went down), "
+                     f"so it rerouted nothing",
+                     all(x["link_down_events"] == 0 and not x["rerouted"] for x in seen.values()),
+                     seen, "no link-down event, no reroute"))
+    if params.failure == "degrade":
+        out.append(Claim(f"MRC steers around the slow link: done in under {GRAY_RATIO} of RC's "
+                         f"time (RC's QP stays pinned to it)",
+                         mrc["completion_s"] < GRAY_RATIO * rc["completion_s"],
+                         f"mrc {mrc['completion_s']} s",
+                         f"< {GRAY_RATIO} x rc {rc['completion_s']} s"))
+    else:       # burst-loss: each burst costs RC a window, MRC what was lost
+        out.append(Claim(f"MRC resends under {GRAY_RATIO} of what RC resends (selective "
+                         f"repeat against go-back-N after every burst)",
+                         mrc["retransmitted_packets"] < GRAY_RATIO * rc["retransmitted_packets"],
+                         f"mrc {mrc['retransmitted_packets']}",
+                         f"< {GRAY_RATIO} x rc {rc['retransmitted_packets']}", "packets"))
+    return out
 
 
 def denial_claim(mrc: dict) -> Claim:

@@ -3,7 +3,8 @@
 What is the lab's: OVS bridges and root-namespace links whose names follow the
 lab's own scheme (fl-<role><n>, fl-<role><n>-eth<p>), network namespaces
 named fl-*, the BPF maps pinned under /sys/fs/bpf/fl-dataplane (the programs go
-with the links they are attached to), and the processes recorded in lab/core/state.py whose command line
+with the links they are attached to), the root namespace's nftables table fl_gray
+(a gray failure's burst loss, lab/kernel/impair.py), and the processes recorded in lab/core/state.py whose command line
 still carries their marker. Never `mn -c` (it kills by name and deletes every
 OVS bridge on the machine), never a kill by name.
 """
@@ -17,7 +18,7 @@ import time
 from shutil import which
 
 from lab.core import state
-from lab.kernel import dataplane
+from lab.kernel import dataplane, impair
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 
@@ -58,7 +59,8 @@ def live_processes() -> list[dict]:
 
 def leftovers() -> dict[str, list]:
     return {"processes": live_processes(), "bridges": lab_bridges(),
-            "links": lab_links(), "netns": lab_netns(), "bpf_pins": dataplane.pinned()}
+            "links": lab_links(), "netns": lab_netns(), "bpf_pins": dataplane.pinned(),
+            "nft_tables": impair.gray_tables()}
 
 
 def clean() -> dict[str, list]:
@@ -73,6 +75,7 @@ def clean() -> dict[str, list]:
     for ns in found["netns"]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     dataplane.remove_pins()
+    impair.remove_gray_table()
     state.forget_processes()
     return found
 

@@ -131,22 +131,15 @@ def gate_burst_bytes(rate_mbps: float) -> int:
 def port_commands(intf: str, rate_mbps: float, q: QueueParams,
                          host: bool = False) -> list[str]:
     """The classes of one egress port; host: a GPU host's NIC (small FIFOs, no RED)."""
-    # Guaranteed shares; every class may borrow up to the link, and htb lends
-    # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest.
-    share = {PRIORITY_CNP: 0.05, PRIORITY_ROCE_DATA: 0.85, DEFAULT_PRIORITY: 0.10}
-    order = {PRIORITY_CNP: 0, PRIORITY_ROCE_DATA: 1}
-    lines = [
-        f"qdisc replace dev {intf} root handle 1: htb default {class_minor(DEFAULT_PRIORITY):x}",
-        f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
-        f"ceil {rate_mbps}mbit",
-    ]
+    lines = [f"qdisc replace dev {intf} root handle 1: htb default "
+             f"{class_minor(DEFAULT_PRIORITY):x}"]
+    classes = class_commands(intf, rate_mbps, q)
+    lines.append(classes.pop(0))
     for prio in q.priorities:
         minor, gate = class_minor(prio), gate_major(prio)
         limit = q.host_buffer_bytes(prio) if host else q.buffer_bytes(prio)
-        rate = rate_mbps * share.get(prio, 0.10 / len(q.priorities))
         lines += [
-            f"class replace dev {intf} parent 1:1 classid 1:{minor:x} htb rate {rate:.3f}mbit "
-            f"ceil {rate_mbps}mbit prio {order.get(prio, 2)}",
+            classes.pop(0),
             f"qdisc replace dev {intf} parent 1:{minor:x} handle {gate:x}: tbf "
             f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {gate_burst_bytes(rate_mbps)} "
             f"limit {limit}",
@@ -157,6 +150,30 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
         lines.append(f"filter replace dev {intf} parent 1: protocol ip prio 1 u32 "
                      f"match ip dsfield {dscp << 2:#x} 0xfc flowid 1:{class_minor(prio):x}")
     return lines
+
+
+def class_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
+    """The port's htb classes at `rate_mbps`: the link's, then one per priority."""
+    # Guaranteed shares; every class may borrow up to the link, and htb lends
+    # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest.
+    share = {PRIORITY_CNP: 0.05, PRIORITY_ROCE_DATA: 0.85, DEFAULT_PRIORITY: 0.10}
+    order = {PRIORITY_CNP: 0, PRIORITY_ROCE_DATA: 1}
+    lines = [f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
+             f"ceil {rate_mbps}mbit"]
+    for prio in q.priorities:
+        rate = rate_mbps * share.get(prio, 0.10 / len(q.priorities))
+        lines.append(f"class replace dev {intf} parent 1:1 classid 1:{class_minor(prio):x} "
+                     f"htb rate {rate:.3f}mbit ceil {rate_mbps}mbit prio {order.get(prio, 2)}")
+    return lines
+
+
+def set_rate(intf: str, rate_mbps: float, q: QueueParams) -> None:
+    """A switch port's link rate changed in place (a degraded link; the root namespace):
+    its classes only, so its queues, gates and what waits in them stay."""
+    r = subprocess.run(["tc", "-batch", "-"], input="\n".join(class_commands(intf, rate_mbps, q))
+                       + "\n", capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"could not set {intf}'s rate to {rate_mbps} Mb/s: {r.stderr.strip()}")
 
 
 def red_burst(kmin_bytes: float, kmax_bytes: float) -> int:

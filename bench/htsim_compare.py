@@ -152,6 +152,20 @@ def bdp_packets(case: "CaseInput", payload_bytes: int, link_latency_ns: int) -> 
     return math.ceil(rtt_s * bps / 8 / (payload_bytes + HEADER_BYTES))
 
 
+def roce_pfc_args() -> list[str]:
+    """htsim_roce as the lab's RC+PFC: lossless queues paused at the lab's XOFF and
+    resumed at its XON (in packets), every flow pinned to one ECMP path."""
+    pfc = CongestionParams()
+    high = max(2, math.ceil(pfc.xoff_kb * 1024 / DEFAULT_MTU_BYTES))
+    low = min(high - 1, max(1, math.floor(pfc.xon_kb * 1024 / DEFAULT_MTU_BYTES)))
+    return ["-queue_type", "lossless_input", "-pfc_thresholds", str(low), str(high),
+            "-strat", "ecmp_host", "-paths", "1"]
+
+
+def ndp_window_args(case: "CaseInput", link_latency_ns: int) -> list[str]:
+    return ["-cwnd", str(bdp_packets(case, DEFAULT_MTU_BYTES, link_latency_ns))]
+
+
 # --- the cases: fabric and flows, from the experiments' own code ---------------------------
 @dataclass
 class CaseInput:
@@ -338,9 +352,6 @@ def htsim_side(cases: list[str], src: Path, inputs: dict[str, CaseInput], seeds:
                keep: Path | None = None) -> list[Row]:
     """Every row of `cases` with htsim's values filled in (the lab's left empty)."""
     rows = []
-    pfc = CongestionParams()
-    high = max(2, math.ceil(pfc.xoff_kb * 1024 / DEFAULT_MTU_BYTES))
-    low = min(high - 1, max(1, math.floor(pfc.xon_kb * 1024 / DEFAULT_MTU_BYTES)))
 
     def run(driver, case, extra, seed, mtu=DEFAULT_MTU_BYTES):
         r = run_htsim(src, driver, case, extra, mtu, case.buffer_bytes // mtu, seed,
@@ -365,10 +376,10 @@ def htsim_side(cases: list[str], src: Path, inputs: dict[str, CaseInput], seeds:
         return max_over_mean([n / t for pair, times in r.completions_us.items()
                               for n, t in zip(sorted(sizes[pair]), sorted(times))])
 
-    roce_pfc = ["-queue_type", "lossless_input", "-pfc_thresholds", str(low), str(high),
-                "-strat", "ecmp_host", "-paths", "1"]
+    roce_pfc = roce_pfc_args()
+
     def ndp_window(case: CaseInput) -> list[str]:
-        return ["-cwnd", str(bdp_packets(case, DEFAULT_MTU_BYTES, link_latency_ns))]
+        return ndp_window_args(case, link_latency_ns)
 
     if "incast" in cases:
         i, t, u = inputs["incast"], inputs["trimming"], inputs["incast-uet"]

@@ -361,6 +361,30 @@ def cmd_allreduce(args) -> int:
     return 0 if m["agree"] else 1
 
 
+def cmd_htsim_export(args) -> int:
+    from topologies import htsim
+    fabric = topology_from_args(args).fabric
+    size = args.size_kb * 1024
+    try:
+        flows = htsim.incast_flows(fabric, args.senders, size) if args.traffic == "incast" \
+            else htsim.permutation_flows(fabric, size, args.seed)
+        topo_text = htsim.topology_text(fabric)
+        matrix = htsim.connection_matrix_text(fabric, flows)
+        shape = htsim.leaf_spine_shape(fabric)
+    except ValueError as e:
+        raise UsageError(f"htsim cannot take this: {e}") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    topo, tm = args.out / "fabric.topo", args.out / f"{args.traffic}.cm"
+    topo.write_text(topo_text)
+    tm.write_text(matrix)
+    print(f"{shape.nodes} GPU hosts, {len(flows)} flows of {args.size_kb} KB ({args.traffic})")
+    print(f"  topology: {topo}\n  connections: {tm}")
+    print(f"run it with one of htsim's datacenter drivers (bench/htsim_scale.py runs three):\n"
+          f"  htsim_roce -topo {topo} -tm {tm} -nodes {shape.nodes} -linkspeed "
+          f"{shape.host_link_gbps * 1000} -mtu 1024 -q 64 -end 100000")
+    return 0
+
+
 def cmd_ovs_start(args) -> int:
     from lab.kernel import ovs
     kind = ovs.ensure_running()
@@ -458,6 +482,16 @@ def build_parser() -> Parser:
                           "other MAC); repeatable")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
+    hx = sub.add_parser("htsim-export", help="a fabric and its traffic as htsim's topology "
+                        "and connection-matrix files, to simulate sizes no emulation reaches")
+    add_topology_args(hx)
+    hx.add_argument("--traffic", choices=["incast", "permutation"], default="permutation")
+    hx.add_argument("--senders", type=int, default=8, help="incast: senders into the first "
+                    "host (default 8)")
+    hx.add_argument("--size-kb", type=int, default=1200, help="per flow (default 1200)")
+    hx.add_argument("--seed", type=int, default=1, help="permutation: its random cycle")
+    hx.add_argument("--out", type=Path, default=Path("htsim-export"), help="where the files go")
+    hx.set_defaults(func=cmd_htsim_export)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
     sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")
     sm.set_defaults(func=cmd_samples)

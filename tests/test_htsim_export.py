@@ -166,3 +166,49 @@ def test_zero_link_latency_is_refused():
 def test_a_flow_htsim_cannot_take_is_refused(flow, why):
     with pytest.raises(ValueError, match=why):
         htsim.connection_matrix_text(fabric(**INCAST), [flow])
+
+
+def test_a_permutation_sends_once_from_and_once_to_every_host():
+    fabric = build_topo("leaf-spine", **FOUR_SPINES).fabric
+    flows = htsim.permutation_flows(fabric, 1000, seed=3)
+    hosts = sorted(h.name for h in fabric.hosts)
+    assert sorted(f.src for f in flows) == hosts == sorted(f.dst for f in flows)
+    assert all(f.src != f.dst and f.size_bytes == 1000 for f in flows)
+    # one cycle through every host (no pair of hosts just swaps, no short loops)
+    nxt = {f.src: f.dst for f in flows}
+    seen, h = set(), hosts[0]
+    while h not in seen:
+        seen.add(h)
+        h = nxt[h]
+    assert seen == set(hosts)
+    assert htsim.permutation_flows(fabric, 1000, seed=3) == flows     # the seed decides
+    assert htsim.permutation_flows(fabric, 1000, seed=4) != flows
+
+
+def test_an_incast_takes_the_first_host_and_the_next_senders():
+    fabric = build_topo("leaf-spine", **FOUR_SPINES).fabric
+    flows = htsim.incast_flows(fabric, 3, 500)
+    assert [(f.src, f.dst) for f in flows] == [("g1", "g0"), ("g2", "g0"), ("g3", "g0")]
+    with pytest.raises(ValueError, match="needs 9 hosts"):
+        htsim.incast_flows(fabric, 8, 500)
+
+
+def test_fabriclab_exports_a_1024_gpu_fabric_and_its_permutation(tmp_path):
+    """`fabriclab htsim-export`, the hand-off to simulation (bench/htsim_scale.py runs
+    htsim on it): no root, no fabric built."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "lab", "htsim-export", "--set", "spines=32",
+                        "--set", "leaves=32", "--set", "hosts_per_leaf=32",
+                        "--set", "host_rate_mbps=10", "--set", "fabric_rate_mbps=10",
+                        "--set", "rate_scale=10000", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    header, tiers = parse_topology((tmp_path / "fabric.topo").read_text())
+    assert header["Nodes"] == "1024" and tiers[0]["Downlink_speed_Gbps"] == "100"
+    cm = (tmp_path / "permutation.cm").read_text().splitlines()
+    assert cm[:2] == ["Nodes 1024", "Connections 1024"] and len(cm) == 1026
+    bad = subprocess.run([sys.executable, "-m", "lab", "htsim-export", "--set",
+                          "topology=fat-tree", "--set", "k=4", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "two-tier leaf-spine" in bad.stderr

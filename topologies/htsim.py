@@ -22,6 +22,7 @@ tier 0 the leaves (radix down = hosts per leaf, radix up = spines), tier 1 the s
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from topologies.fabric import Fabric
@@ -187,6 +188,35 @@ def topology_text(fabric: Fabric, link_latency_ns: int = LINK_LATENCY_NS) -> str
         f"Switch_Latency_ns {SWITCH_LATENCY_NS}",
         "",
     ])
+
+
+TRAFFIC = ("incast", "permutation")
+
+
+def incast_flows(fabric: Fabric, senders: int, size_bytes: int) -> list[Flow]:
+    """The lab's incast at any size: the fabric's first host receives from the next
+    `senders` (lab/experiments/incast.py's choice of hosts)."""
+    hosts = [h.name for h in fabric.hosts]
+    if not 1 <= senders < len(hosts):
+        raise ValueError(f"an incast of {senders} senders needs {senders + 1} hosts; the "
+                         f"fabric has {len(hosts)}")
+    return [Flow(s, hosts[0], size_bytes) for s in hosts[1:senders + 1]]
+
+
+def permutation_flows(fabric: Fabric, size_bytes: int, seed: int = 1) -> list[Flow]:
+    """Every host sends to one other and receives from one other: a random permutation
+    without fixed points (Sattolo's algorithm: one cycle through every host), the
+    load that shows how evenly a fabric's paths carry traffic."""
+    hosts = [h.name for h in fabric.hosts]
+    if len(hosts) < 2:
+        raise ValueError("a permutation needs 2 hosts or more")
+    order = list(hosts)
+    rng = random.Random(seed)
+    for i in range(len(order) - 1, 0, -1):
+        j = rng.randrange(i)
+        order[i], order[j] = order[j], order[i]
+    return [Flow(order[i], order[(i + 1) % len(order)], size_bytes)
+            for i in range(len(order))]
 
 
 def connection_matrix_text(fabric: Fabric, flows: list[Flow]) -> str:

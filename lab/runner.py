@@ -100,7 +100,8 @@ def _convert(value: str, ftype, key: str):
         raise UsageError(f"--set {e}") from None
 
 
-QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb")
+QUEUE_SETTINGS = ("buffer_kb", "control_buffer_kb", "host_buffer_kb", "express_class")
+QUEUE_FLAGS = ("express_class",)        # 0 or 1; the others are sizes
 
 
 def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
@@ -118,7 +119,9 @@ def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
             exp_values[key] = _convert(value, exp_fields[key].type, key)
         elif key in QUEUE_SETTINGS:
             queue_values[key] = _convert(value, int, key)
-            if queue_values[key] <= 0:
+            if key in QUEUE_FLAGS and queue_values[key] not in (0, 1):
+                raise UsageError(f"--set {key} takes 0 or 1")
+            if key not in QUEUE_FLAGS and queue_values[key] <= 0:
                 raise UsageError(f"--set {key} must be positive")
         else:
             topo_values[key] = value
@@ -146,6 +149,8 @@ def split_settings(mod, settings: list[str], machine_factor: float = 1.0):
         topo_params = make_params(params.topology, **topo_values)
     except ParamError as e:
         raise UsageError(str(e)) from None
+    # an experiment may ask for queues of its own (an express class); what the user sets wins
+    queue_values = {**experiment.queue_defaults(mod), **queue_values}
     return params, topo_params, QueueParams(**queue_values)
 
 

@@ -80,6 +80,24 @@ def _gate(stats, intf, prio):
                 and q.handle == tcnl.handle(queues.gate_major(prio)))
 
 
+def test_the_express_class_is_opt_in_and_served_first():
+    """express_class=1: DSCP 34 gets priority 5 on every port, a RoCE-sized buffer, most
+    of the link guaranteed and the first turn to borrow; without it the ports are as
+    they always were."""
+    from traffic.constants import DSCP_EXPRESS, PRIORITY_EXPRESS
+    plain, express = queues.QueueParams(), queues.QueueParams(express_class=1)
+    assert PRIORITY_EXPRESS not in plain.priorities
+    assert express.dscp_priority[DSCP_EXPRESS] == PRIORITY_EXPRESS
+    assert express.buffer_bytes(PRIORITY_EXPRESS) == express.buffer_bytes(3) == 64 * 1024
+    lines = queues.port_commands("x", 10.0, express)
+    minor = queues.class_minor(PRIORITY_EXPRESS)
+    [cls] = [ln for ln in lines if f"classid 1:{minor:x} " in ln]
+    assert "rate 8.000mbit" in cls and cls.endswith("prio 0")
+    assert any(f"match ip dsfield {DSCP_EXPRESS << 2:#x} 0xfc flowid 1:{minor:x}" in ln
+               for ln in lines)
+    assert not any(f"1:{minor:x}" in ln for ln in queues.port_commands("x", 10.0, plain))
+
+
 def test_the_controller_keeps_sampling_gaps_in_a_histogram():
     from controllers.congestion import GapHistogram
     h = GapHistogram()

@@ -194,3 +194,26 @@ def test_a_tour_chapter_links_its_pcaps_with_filters_and_counts(tmp_path):
     rc_span = m["rc"]["counted_unix_s"]
     naks = [f for f in frames if rc_span[0] <= f.t <= rc_span[1] and f.src == dst and f.nak]
     assert m["rc"]["receiver_naks"] == len(naks) > 0
+
+
+def test_kv_cache_latency_in_the_express_class(tmp_path):
+    """KV caches beside a training job: every claim at the defaults, and the express
+    variant's frames went through the express queue (priority 5) of the uplink, every
+    data packet of every transfer, while the RoCE queue carried the training."""
+    import csv
+    out = tmp_path / "kv"
+    r = fabriclab("run", "kv-cache", "--out", str(out), timeout=600)
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
+    result = json.loads((out / "metrics.json").read_text())
+    assert all(c["passed"] for c in result["claims"]), r.stdout
+    p, m = result["params"], result["metrics"]
+    assert m["express"]["dscp"] == 34 and m["shared"]["dscp"] == 26
+    packets = p["transfers"] * -(-p["kv_kb"] * 1024 // 1024)
+    sent = {}
+    with open(out / "queues.csv") as f:
+        for row in csv.DictReader(f):
+            if (row["switch"], row["port"]) == ("fl-lf0", "1"):       # the spine uplink
+                key = int(row["priority"])
+                sent[key] = max(sent.get(key, 0), int(row["sent_packets"]))
+    assert packets <= sent[5] <= packets + m["express"]["retransmitted_packets"], sent
+    assert sent[3] > packets          # the RoCE class: the training's ring (and more)

@@ -117,6 +117,11 @@ PRIORITY_CNP = 6           # ...on their own strict priority
 DSCP_TRIMMED = 40
 DSCP_PRIORITY = {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA, DSCP_CNP: PRIORITY_CNP,
                  DSCP_TRIMMED: PRIORITY_CNP}  # else 0
+# An express class for latency-bound RDMA beside the bulk (an inference server's KV-cache
+# transfers beside training): AF41, its own lossy priority, served ahead of RoCE data
+# where a fabric has it (lab/kernel/queues.py: QueueParams.express_class)
+DSCP_EXPRESS = 34
+PRIORITY_EXPRESS = 5
 # What a trimmed frame keeps: the headers of an MRC data packet (Ethernet, IPv4, UDP,
 # BTH, RETH, ImmDt); payload and ICRC are cut (lab/kernel/dataplane.h says the same)
 TRIMMED_FRAME_BYTES = 14 + 20 + 8 + BTH_BYTES + RETH_BYTES + IMMDT_BYTES

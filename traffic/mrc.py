@@ -35,10 +35,10 @@ import dataclasses
 import struct
 from dataclasses import dataclass, field
 
-from traffic.constants import (EV_FIELD_BITS, EV_TIERS, EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS,
-                               IMMDT_BYTES, MRC_CREQX_BYTES, MRC_IMM_COUNT_BITS,
-                               MRC_MAX_PACKETS_PER_MESSAGE, MRC_MESSAGE_ID_MODULUS,
-                               MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
+from traffic.constants import (DSCP_ROCE_DATA, EV_FIELD_BITS, EV_TIERS, EXPLICIT_EV_BASE,
+                               EXPLICIT_EV_MAX_PATHS, IMMDT_BYTES, MRC_CREQX_BYTES,
+                               MRC_IMM_COUNT_BITS, MRC_MAX_PACKETS_PER_MESSAGE,
+                               MRC_MESSAGE_ID_MODULUS, MRC_NACK_CODE_TRIMMED, MRC_NACKX_BYTES,
                                MRC_PROBE_FLAG_REPLY, MRC_PROBEX_BYTES, MRC_SACK_BITMAP_BITS,
                                MRC_SACK_FLAG_ECN_ECHO, MRC_SACKX_BYTES, RETH_BYTES, Opcode)
 from traffic.nscc import Nscc, NsccParams
@@ -124,6 +124,7 @@ class MrcParams:
                                        # "nscc", "rccc", "nscc+rccc": Ultra Ethernet's
     nscc: dict = field(default_factory=dict)   # NsccParams fields, for cc "nscc"
     rccc: dict = field(default_factory=dict)   # RcccParams fields, for cc "rccc"
+    dscp: int = DSCP_ROCE_DATA         # its traffic class (DSCP_EXPRESS: the express class)
     line_rate_mbps: float = 0.0        # the NIC's rate (the agent sets it): NSCC's BDP
     delivery: str = "unordered"        # one of DELIVERY_MODES
 
@@ -176,7 +177,7 @@ class MrcQP(QueuePair):
         self.params = params or MrcParams()
         self.credit_pool = credit_pool
         self.rccc = rccc                    # the receiving host's credit scheduler (RCCC)
-        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
+        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes, self.params.dscp)
         p = self.params
         if p.ev_fields:
             p = self.params = dataclasses.replace(

@@ -91,11 +91,12 @@ class QueuePair:
     kind = "qp"
 
     def __init__(self, path: Path, qpn: int, remote_qpn: int, region: Region | None,
-                 mtu_bytes: int):
+                 mtu_bytes: int, dscp: int = DSCP_ROCE_DATA):
+        """dscp: the class of the QP's data and its acknowledgements (CNPs keep theirs)."""
         self.qpn, self.remote_qpn = qpn, remote_qpn
         self.peer_ip = path.dst_ip
-        self.data_framer = Framer(path, DSCP_ROCE_DATA, Ecn.ECT_0)
-        self.ctrl_framer = Framer(path, DSCP_ROCE_DATA, Ecn.NOT_ECT)
+        self.data_framer = Framer(path, dscp, Ecn.ECT_0)
+        self.ctrl_framer = Framer(path, dscp, Ecn.NOT_ECT)
         self.cnp_framer = Framer(path, DSCP_CNP, Ecn.NOT_ECT)
         self.rate_bps: float | None = None     # a QP's own rate limit (congestion control)
         self.next_tx = 0.0

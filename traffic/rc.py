@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from traffic.constants import AethSyndrome, Opcode
+from traffic.constants import DSCP_ROCE_DATA, AethSyndrome, Opcode
 from traffic.dcqcn import DcqcnParams, NotificationPoint, ReactionPoint
 from traffic.qp import Message, QueuePair, psn_delta
 from traffic.roce import WRITE_OVERHEAD_BYTES, Parsed, aeth, immdt, reth
@@ -36,6 +36,7 @@ class RcParams:
     dcqcn: bool = True
     line_rate_mbps: float = 0.0      # the NIC's rate, DCQCN's ceiling (0: no DCQCN pacing)
     rate_scale: float = 1000.0       # stretches DCQCN's time constants (dcqcn.py)
+    dscp: int = DSCP_ROCE_DATA       # its traffic class (DSCP_EXPRESS: the express class)
 
 
 class RcQP(QueuePair):
@@ -43,7 +44,7 @@ class RcQP(QueuePair):
 
     def __init__(self, path, qpn, remote_qpn, region, params: RcParams | None = None):
         self.params = params or RcParams()
-        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes)
+        super().__init__(path, qpn, remote_qpn, region, self.params.mtu_bytes, self.params.dscp)
         self.snd_una = 0         # oldest unacknowledged sequence number (absolute)
         self.snd_nxt = 0         # next to send
         self.snd_end = 0         # one past the last queued

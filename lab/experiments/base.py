@@ -2,6 +2,8 @@
 lab/experiments/ with
     NAME, DESCRIPTION
     TOPOLOGY_DEFAULTS      optional: {topology: {param: value}}, the fabric it suggests
+    QUEUE_DEFAULTS         optional: {queue setting: value} the experiment needs
+                           (lab/kernel/queues.py QueueParams, e.g. express_class)
     SCALED_SIZES           optional: Params fields (message sizes) that shrink with the
                            link rates on a machine too slow for the defaults
                            (lab/fabric/calibrate.py)
@@ -66,6 +68,11 @@ def check(mod: ModuleType) -> ModuleType:
 def topology_defaults(mod: ModuleType, topology: str) -> dict:
     """The fabric shape the experiment suggests on this topology ({}: none)."""
     return getattr(mod, "TOPOLOGY_DEFAULTS", {}).get(topology, {})
+
+
+def queue_defaults(mod: ModuleType) -> dict:
+    """The switch queues the experiment asks for ({}: the lab's defaults)."""
+    return dict(getattr(mod, "QUEUE_DEFAULTS", {}))
 
 
 def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:

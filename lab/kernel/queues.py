@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from lab.core.errors import LabError
 from topologies.fabric import Fabric, interface_name
-from traffic.constants import DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_ROCE_DATA
+from traffic.constants import (DSCP_EXPRESS, DSCP_PRIORITY, PRIORITY_CNP, PRIORITY_EXPRESS,
+                               PRIORITY_ROCE_DATA)
 
 DEFAULT_PRIORITY = 0
 AVERAGE_PACKET_BYTES = 1000        # RED's avpkt: RoCE frames at the default 1024-byte MTU
@@ -72,13 +73,21 @@ class QueueParams:
     # DSCP -> priority; anything else -> DEFAULT_PRIORITY
     dscp_priority: dict[int, int] = field(default_factory=lambda: dict(DSCP_PRIORITY))
     red: RedParams | None = None
+    # 1: an express class (DSCP_EXPRESS -> PRIORITY_EXPRESS, a RoCE-sized lossy queue)
+    # served ahead of RoCE data: latency-bound RDMA (KV caches) beside the bulk
+    express_class: int = 0
+
+    def __post_init__(self) -> None:
+        if self.express_class:
+            self.dscp_priority = {**self.dscp_priority, DSCP_EXPRESS: PRIORITY_EXPRESS}
 
     @property
     def priorities(self) -> list[int]:
         return sorted({DEFAULT_PRIORITY, *self.dscp_priority.values()})
 
     def buffer_bytes(self, priority: int) -> int:
-        kb = self.buffer_kb if priority == PRIORITY_ROCE_DATA else self.control_buffer_kb
+        data = (PRIORITY_ROCE_DATA, PRIORITY_EXPRESS)
+        kb = self.buffer_kb if priority in data else self.control_buffer_kb
         return kb * 1024
 
     def host_buffer_bytes(self, priority: int) -> int:
@@ -155,9 +164,16 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
 def class_commands(intf: str, rate_mbps: float, q: QueueParams) -> list[str]:
     """The port's htb classes at `rate_mbps`: the link's, then one per priority."""
     # Guaranteed shares; every class may borrow up to the link, and htb lends
-    # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest.
+    # spare bandwidth to the lowest `prio` first: CNPs, then RoCE, then the rest. An
+    # express class (if any) is guaranteed most of the link and borrows first: whenever
+    # it has frames it takes what it needs (up to 95%), and RoCE borrows the link back
+    # when it is idle; htb's nearest to strict priority that still guarantees RoCE some.
     share = {PRIORITY_CNP: 0.05, PRIORITY_ROCE_DATA: 0.85, DEFAULT_PRIORITY: 0.10}
     order = {PRIORITY_CNP: 0, PRIORITY_ROCE_DATA: 1}
+    if PRIORITY_EXPRESS in q.priorities:
+        share.update({PRIORITY_EXPRESS: 0.80, PRIORITY_ROCE_DATA: 0.10,
+                      DEFAULT_PRIORITY: 0.05})
+        order[PRIORITY_EXPRESS] = 0
     lines = [f"class replace dev {intf} parent 1: classid 1:1 htb rate {rate_mbps}mbit "
              f"ceil {rate_mbps}mbit"]
     for prio in q.priorities:

@@ -304,7 +304,8 @@ def plot_step_timeline(workdir: Path, result: dict, out: Path) -> Path | None:
                 top.broken_barh([(ph["t0_unix"] - start, ph["s"])], (0, 1), color=kinds[kind])
                 seen = ph.get("evidence", {})
                 marks = [f"{seen[key]}{label}" for key, label in
-                         (("retransmitted", "R"), ("cnps", "C"), ("pause_frames", "P"))
+                         (("retransmitted", "R"), ("cnps", "C"), ("pause_frames", "P"),
+                          ("ev_retirements", "E"))
                          if seen.get(key)]
                 if marks:
                     top.text(ph["t0_unix"] - start, 1.05, " ".join(marks), fontsize=6)
@@ -329,8 +330,8 @@ def plot_step_timeline(workdir: Path, result: dict, out: Path) -> Path | None:
         low.grid(alpha=0.3)
         if low.lines:
             low.legend(fontsize=6, loc="upper right")
-    axes[-1, 0].set_xlabel("time since the variant's first step (s); above the phases: "
-                           "R retransmitted, C CNPs, P pause frames")
+    axes[-1, 0].set_xlabel("s since the variant's first step; above a phase: R resent, "
+                           "C CNPs, P pauses, E EVs retired")
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in kinds.values()],
                labels=list(kinds), fontsize=7, loc="lower center", ncol=len(kinds))
     return _save(plt, fig, out / "step_timeline.png", rect=(0, 0.03, 1, 1))

@@ -161,7 +161,7 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
                       "phases": [{"phase": "compute", "t0_unix": round(t0_unix, 4),
                                   "s": p.compute_ms / 1000},
                                  {"phase": "allreduce", "t0_unix": round(comm_unix, 4),
-                                  "s": round(comm_s, 4)}],
+                                  "s": round(comm_s, 4), "evidence": ev}],
                       "wait_causes": why["causes"], "wait_evidence": why["evidence"],
                       "waited_most_on": why["main"],
                       "allreduce_s": round(comm_s, 4), "step_s": round(step_s, 4),

@@ -197,12 +197,13 @@ def test_a_tour_chapter_links_its_pcaps_with_filters_and_counts(tmp_path):
 
 
 def test_kv_cache_latency_in_the_express_class(tmp_path):
-    """KV caches beside a training job: every claim at the defaults, and the express
+    """KV caches beside a training job: every claim at the defaults; the express
     variant's frames went through the express queue (priority 5) of the uplink, every
-    data packet of every transfer, while the RoCE queue carried the training."""
+    data packet of every transfer, while the RoCE queue carried the training; and the
+    KV transfers' retransmissions and CNPs equal the prefill host's port's capture."""
     import csv
     out = tmp_path / "kv"
-    r = fabriclab("run", "kv-cache", "--out", str(out), timeout=600)
+    r = fabriclab("run", "kv-cache", "--out", str(out), "--capture", "g3", timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
     assert all(c["passed"] for c in result["claims"]), r.stdout
@@ -217,3 +218,15 @@ def test_kv_cache_latency_in_the_express_class(tmp_path):
                 sent[key] = max(sent.get(key, 0), int(row["sent_packets"]))
     assert packets <= sent[5] <= packets + m["express"]["retransmitted_packets"], sent
     assert sent[3] > packets          # the RoCE class: the training's ring (and more)
+    cap = wire.RunCaptures(out)
+    port = cap.host_port(m["prefill"])
+    slack = cap.tcpdump_dropped([port])
+    src = cap.fabric.host(m["prefill"]).interface().ip
+    data = [f for f in cap.frames[port] if f.src == src and f.udp_dst == 4791
+            and f.opcode is not None and f.opcode <= wire.LAST_DATA_OPCODE]
+    express = [f for f in data if f.dscp == 34]
+    transfers = [t for v in ("alone", "shared", "express") for t in m[v]["transfers"]]
+    assert abs(wire.repeats(data) - sum(t["retransmitted"] for t in transfers)) <= slack
+    assert abs(sum(f.cnp for f in cap.frames[port] if f.dst == src)
+               - sum(t["cnps"] for t in transfers)) <= slack
+    assert abs(len(express) - packets - m["express"]["retransmitted_packets"]) <= slack

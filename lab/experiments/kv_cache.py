@@ -43,6 +43,8 @@ VARIANTS = ("alone", "shared", "express")
 SHARED_SLOWDOWN = 1.5        # claim: sharing the RoCE class, p50 latency at least this x alone
 EXPRESS_WITHIN = 1.3         # claim: in the express class, p50 latency within this x alone
 TRAINING_IDS = 128           # the training's agents number their QPs apart (agent.qpn_for)
+VARIANT_IDS = 16             # each variant's KV QPs numbered apart too: a capture tells them
+# apart (one collective id per transfer: transfers <= VARIANT_IDS)
 SCALED_SIZES = ("kv_kb", "grad_kb")
 
 
@@ -64,8 +66,10 @@ class Params:
                              f"{', '.join(VARIANTS)}")
         if self.topology != "leaf-spine":
             raise UsageError("kv-cache needs topology=leaf-spine (two leaves)")
-        if self.kv_kb <= 0 or self.grad_kb <= 0 or self.transfers < 1 or self.gap_ms < 0:
-            raise UsageError("need kv_kb, grad_kb > 0, transfers >= 1, gap_ms >= 0")
+        if self.kv_kb <= 0 or self.grad_kb <= 0 or not 1 <= self.transfers <= VARIANT_IDS \
+                or self.gap_ms < 0:
+            raise UsageError(f"need kv_kb, grad_kb > 0, 1 <= transfers <= {VARIANT_IDS}, "
+                             f"gap_ms >= 0")
 
     @property
     def variant_list(self) -> list[str]:
@@ -152,12 +156,13 @@ def run(ctx: RunContext) -> dict:
     rc = rc_params(ctx.net, rate, cc.kmax_kb)
     ideal_s = p.kv_kb * 1024 * 8 / (rate * 1e6)
     out = {"ring": ring, "prefill": prefill, "decode": decode, "kv_ideal_s": round(ideal_s, 4)}
-    for variant in p.variant_list:
+    for i, variant in enumerate(p.variant_list):
         dscp = DSCP_EXPRESS if variant == "express" else DSCP_ROCE_DATA
         log.info(f"{variant}: {p.transfers} KV caches of {p.kv_kb} KB {prefill} -> {decode} "
                  f"(DSCP {dscp})" + ("" if variant == "alone" else
                                     f" beside ring all-reduces over {', '.join(ring)}"))
-        with GpuAgents(ctx.net, hosts=[prefill, decode]) as kv:
+        with GpuAgents(ctx.net, hosts=[prefill, decode],
+                       first_collective_id=1 + i * VARIANT_IDS) as kv:
             params = {**rc, "dscp": dscp}
             if variant == "alone":
                 xfers, load = kv_transfers(ctx, kv, prefill, decode, params), None

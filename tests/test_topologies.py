@@ -92,3 +92,35 @@ def test_parameters_from_text_are_parsed_in_one_place():
             parse_value(key, value, ftype)
     with pytest.raises(ParamError, match="spines: expected int"):
         make_params("leaf-spine", spines="2.5")
+
+
+def test_planes_are_parallel_fabrics_sharing_only_the_gpus():
+    """planes=2: every GPU has a NIC into each plane's leaf, with its own addresses and
+    MAC; the planes' switches never meet, so each plane's routes stay inside it."""
+    f = build_topo("leaf-spine", planes=2, spines=2, leaves=2, hosts_per_leaf=3).fabric
+    assert len(f.hosts) == 6 and len(f.switches) == 2 * (2 + 2)
+    for h in f.hosts:
+        assert [i.network for i in h.interfaces] == ["scale-out", "plane1"]
+        out, p1 = h.interfaces
+        assert ipaddress.ip_address(out.ip) in ipaddress.ip_network("10.1.0.0/16")
+        assert ipaddress.ip_address(p1.ip) in ipaddress.ip_network("10.11.0.0/16")
+        assert out.switch != p1.switch and out.mac != p1.mac
+    macs = [i.mac for h in f.hosts for i in h.interfaces]
+    assert len(set(macs)) == len(macs)
+    plane_of_switch = {i.switch: i.network for h in f.hosts for i in h.interfaces}
+    for ln in f.links:
+        if ln.kind == "fabric":       # a leaf's uplinks go to its own plane's spines
+            leaf = ln.a if ln.a in plane_of_switch else ln.b
+            spine = ln.b if leaf == ln.a else ln.a
+            assert int(spine.removeprefix("fl-sp")) // 2 == int(leaf.removeprefix("fl-lf")) // 2
+    routes = routes_for(f)
+    for sw, rs in routes.items():
+        nets = {r.cidr.split(".")[1] for r in rs if isinstance(r, Forward)}
+        assert len(nets) == 1, (sw, nets)        # plane 0 routes 10.1/16, plane 1 10.11/16
+
+
+def test_a_plane_nic_reaches_the_other_leaves_through_its_own_gateway():
+    from lab.fabric.network import plane_routes
+    f = build_topo("leaf-spine", planes=3, spines=1, leaves=2, hosts_per_leaf=1).fabric
+    assert plane_routes(f)["g1"] == ["10.11.0.0/16 via 10.11.1.254 dev g1-eth1",
+                                     "10.12.0.0/16 via 10.12.1.254 dev g1-eth2"]

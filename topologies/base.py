@@ -53,8 +53,24 @@ def switch_name(role: str, index: int) -> str:
     return f"{NAME_PREFIX}{ROLE_CODES[role]}{index}"
 
 
+PLANE_OCTET_BASE = 10        # plane p's addresses: 10.(10+p).S.H (scale-out 10.1, scale-up 10.2)
+
+
+def plane_network(plane: int) -> str:
+    """The network name of a multi-plane fabric's plane (plane 0 is "scale-out")."""
+    return "scale-out" if plane == 0 else f"plane{plane}"
+
+
+def plane_of(network: str) -> int | None:
+    """The plane a network is (0: scale-out), None for scale-up."""
+    if network == "scale-out":
+        return 0
+    return int(network.removeprefix("plane")) if network.startswith("plane") else None
+
+
 def host_mac(index: int, network: str) -> str:
-    kind = 0xfa if network == "scale-out" else 0xfb
+    plane = plane_of(network)
+    kind = 0xfb if plane is None else 0xfa if plane == 0 else 0xf0 + plane
     return f"02:{kind:02x}:00:{(index >> 16) & 0xff:02x}:{(index >> 8) & 0xff:02x}:{index & 0xff:02x}"
 
 
@@ -95,8 +111,9 @@ class FabricTopo(Topo):
     def add_subnet(self, switch: str, network: str, octet3: int) -> Subnet:
         if octet3 >= MAX_SUBNETS:
             raise ParamError(f"too many subnets for 10.x.S.0/24 addressing (max {MAX_SUBNETS})")
-        second = 1 if network == "scale-out" else 2
-        routed = network == "scale-out"
+        plane = plane_of(network)
+        second = 2 if plane is None else 1 if plane == 0 else PLANE_OCTET_BASE + plane
+        routed = plane is not None
         sw = self.fabric.switch(switch)
         subnet = Subnet(cidr=f"10.{second}.{octet3}.0/24", switch=switch,
                         gateway_ip=f"10.{second}.{octet3}.254" if routed else None,
@@ -121,12 +138,21 @@ class FabricTopo(Topo):
 
     def add_scaleup_nic(self, host: str, subnet: Subnet, switch: str, rate_mbps: float) -> None:
         """A second NIC on `host`, into a rack's scale-up switch."""
+        self._add_nic(host, "scale-up", subnet, switch, rate_mbps, "scale-up")
+
+    def add_plane_nic(self, host: str, plane: int, subnet: Subnet, switch: str,
+                      rate_mbps: float) -> None:
+        """One more scale-out NIC on `host`, into a leaf of plane `plane` (a multi-plane
+        fabric: one NIC port per plane)."""
+        self._add_nic(host, plane_network(plane), subnet, switch, rate_mbps, "host")
+
+    def _add_nic(self, host: str, network: str, subnet: Subnet, switch: str,
+                 rate_mbps: float, kind: str) -> None:
         h = self.fabric.host(host)
-        index = int(host[1:])
-        intf = self._host_interface(host, len(h.interfaces), index, "scale-up", subnet,
+        intf = self._host_interface(host, len(h.interfaces), int(host[1:]), network, subnet,
                                     switch, rate_mbps)
         h.interfaces.append(intf)
-        self._link(host, switch, rate_mbps, "scale-up",
+        self._link(host, switch, rate_mbps, kind,
                    addr1=intf.mac, params1={"ip": f"{intf.ip}/{intf.prefix_len}"})
 
     def add_fabric_link(self, a: str, b: str, rate_mbps: float) -> None:

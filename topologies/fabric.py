@@ -32,7 +32,7 @@ class Switch:
 @dataclass
 class HostInterface:
     name: str                     # e.g. g0-eth0 (lives inside the host's namespace)
-    network: str                  # "scale-out" or "scale-up"
+    network: str                  # "scale-out", "scale-up", or "plane<p>" (multi-plane)
     ip: str
     prefix_len: int
     mac: str

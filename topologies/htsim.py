@@ -104,8 +104,9 @@ def leaf_spine_shape(fabric: Fabric) -> LeafSpineShape:
     if multi:
         networks = ", ".join(i.network for i in multi[0].interfaces)
         raise ValueError(f"htsim's hosts have one NIC each; {multi[0].name} has "
-                         f"{len(multi[0].interfaces)} ({networks}): a scale-up network has "
-                         f"no place in htsim's fat-tree file")
+                         f"{len(multi[0].interfaces)} ({networks}): a scale-up network or a "
+                         f"second plane has no place in htsim's fat-tree file (export one "
+                         f"plane: planes=1)")
     spines = [sw.name for sw in fabric.switches if sw.role == "spine"]
     leaf_order: list[str] = []              # leaves in the order their hosts come
     for h in fabric.hosts:

@@ -27,7 +27,7 @@ from lab.core.errors import LabError, Terminated
 from lab.fabric import cleanup
 from lab.fabric.controller import Controller
 from lab.kernel import dataplane, ovs, queues
-from topologies.base import FabricTopo
+from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,9 @@ class FabricNetwork:
         # back off (OVS waits up to 8 s between attempts)
         self.controller.wait_listening()
         self.mininet.start()
+        for host, routes in plane_routes(self.fabric).items():
+            for route in routes:
+                self.mininet[host].cmd(f"ip route replace {route}")
         self.timings["build_s"] = time.monotonic() - t0
         pids = {h.name: h.pid for h in self.mininet.hosts}
         queues.apply(self.fabric, pids, self.queue_params)
@@ -194,6 +197,20 @@ class FabricNetwork:
         if self.mininet is None:
             raise LabError("the fabric is not up")
         return self.mininet[name].pid
+
+
+def plane_routes(fabric) -> dict[str, list[str]]:
+    """A multi-plane fabric's hosts reach the other leaves of plane p through their
+    plane-p NIC's gateway (the default route is plane 0's): host -> `ip route` specs."""
+    out: dict[str, list[str]] = {}
+    for h in fabric.hosts:
+        for intf in h.interfaces:
+            plane = plane_of(intf.network)
+            if plane:
+                gateway = fabric.subnet_of(intf.ip).gateway_ip
+                out.setdefault(h.name, []).append(
+                    f"10.{PLANE_OCTET_BASE + plane}.0.0/16 via {gateway} dev {intf.name}")
+    return out
 
 
 def _count(found: dict[str, list]) -> str:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from controllers.routes import hop_distances, switch_graph
 from lab.kernel.probe import PairResult, probe
+from topologies.base import plane_of
 from topologies.fabric import Fabric
 
 
@@ -17,18 +18,26 @@ class ProbePair:
     expected_hops: int   # TTL decrements on the shortest path
 
 
+def routed_networks(fabric: Fabric) -> list[str]:
+    """scale-out, then a multi-plane fabric's other planes, in order."""
+    nets = {i.network for h in fabric.hosts for i in h.interfaces}
+    return sorted((n for n in nets if plane_of(n) is not None), key=plane_of)
+
+
 def pairs_to_probe(fabric: Fabric) -> list[ProbePair]:
-    """All scale-out pairs, and the scale-up pairs inside each rack."""
+    """All scale-out pairs (on every plane of a multi-plane fabric), and the scale-up
+    pairs inside each rack."""
     graph = switch_graph(fabric)
     dist_cache: dict[str, dict[str, int]] = {}
     out = []
-    for a, b in fabric.host_pairs("scale-out"):
-        sa, sb = a.interface().switch, b.interface().switch
-        if sb not in dist_cache:
-            dist_cache[sb] = hop_distances(graph, sb)
-        # every switch on the path routes (decrements the TTL): path length + 1
-        out.append(ProbePair(a.name, b.name, b.interface().ip, "scale-out",
-                             dist_cache[sb][sa] + 1))
+    for net in routed_networks(fabric):
+        for a, b in fabric.host_pairs(net):
+            sa, sb = a.interface(net).switch, b.interface(net).switch
+            if sb not in dist_cache:
+                dist_cache[sb] = hop_distances(graph, sb)
+            # every switch on the path routes (decrements the TTL): path length + 1
+            out.append(ProbePair(a.name, b.name, b.interface(net).ip, net,
+                                 dist_cache[sb][sa] + 1))
     for a, b in fabric.host_pairs("scale-up"):
         if a.rack == b.rack:
             out.append(ProbePair(a.name, b.name, b.interface("scale-up").ip, "scale-up", 0))
@@ -55,11 +64,11 @@ class Reachability:
 
     def lines(self) -> list[str]:
         out = []
-        for network in ("scale-out", "scale-up"):
+        for network in dict.fromkeys(p.network for p in self.pairs):
             ok, total = self.count(network)
-            if total:
-                label = "host pairs" if network == "scale-out" else "scale-up pairs (in-rack)"
-                out.append(f"reachable: {ok}/{total} {label}")
+            label = "host pairs" if network == "scale-out" else \
+                "scale-up pairs (in-rack)" if network == "scale-up" else f"{network} pairs"
+            out.append(f"reachable: {ok}/{total} {label}")
         return out
 
 

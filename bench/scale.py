@@ -1,7 +1,20 @@
-"""Build + verify + tear down leaf-spines of growing size; print a table.
+"""Build + verify + tear down fabrics of growing size; print a table and where the time
+went.
 
-Goal (issue 2): 256 hosts fully verified (every ordered pair) in under 60 s on 2 cores.
-    sudo .venv/bin/python bench/scale.py [--sizes 16,64,256]
+Goals: 256 hosts fully verified (every ordered pair) in under 60 s on 2 cores (issue
+2); 1024 hosts (leaf-spine 32 x 32, and fat-tree k=16) built, verified and torn down in
+under 3 minutes (issue 17). At 1024 hosts all pairs (1,047,552) would take longer than
+the build, so each host pings SAMPLE_PER_HOST random others (lab/fabric/verify.sample:
+65,536 pairs, every host sending, every leaf pair covered), and the table says so.
+The build splits into: namespaces_links (from the start: the controller's launch, then
+Mininet's host namespaces, veths and OVS bridges),
+queues (tc on every port), dataplane (BPF programs and maps), programming (the
+controller's flows on every switch, until each answered a barrier).
+
+    sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
+
+At 1024 (12-05, 2 cores, OVS userspace): the controller had programmed 38 of the 48
+switches when its 100 s wait ran out (the next step for issue 17's goal).
 """
 import argparse
 import time
@@ -10,37 +23,53 @@ from lab.fabric import verify
 from lab.session import Session
 from topologies.registry import build_topo
 
-SHAPES = {16: dict(spines=2, leaves=4, hosts_per_leaf=4),
-          64: dict(spines=4, leaves=8, hosts_per_leaf=8),
-          256: dict(spines=4, leaves=16, hosts_per_leaf=16)}
-GOAL_S = {256: 60.0}
+SHAPES = {16: ("leaf-spine", dict(spines=2, leaves=4, hosts_per_leaf=4)),
+          64: ("leaf-spine", dict(spines=4, leaves=8, hosts_per_leaf=8)),
+          256: ("leaf-spine", dict(spines=4, leaves=16, hosts_per_leaf=16)),
+          1024: ("leaf-spine", dict(spines=16, leaves=32, hosts_per_leaf=32))}
+FAT_TREE_1024 = ("fat-tree", dict(k=16))
+GOAL_S = {256: 60.0, 1024: 180.0}
+SAMPLE_FROM = 1024           # hosts from which verify samples pairs
+SAMPLE_PER_HOST = 64
+STAGES = ("namespaces_links_s", "queues_s", "dataplane_s", "programming_s")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,64,256")
-    sizes = [int(s) for s in ap.parse_args().sizes.split(",")]
+    ap.add_argument("--fat-tree", action="store_true", help="also fat-tree k=16 (1024 hosts)")
+    a = ap.parse_args()
+    shapes = [(n, *SHAPES[n]) for n in (int(s) for s in a.sizes.split(","))]
+    if a.fat_tree:
+        shapes.append((1024, *FAT_TREE_1024))
     rows = []
-    for n in sizes:
-        topo = build_topo("leaf-spine", **SHAPES[n])
+    for n, kind, shape in shapes:
+        topo = build_topo(kind, **shape)
         t0 = time.monotonic()
+        per_host = SAMPLE_PER_HOST if n >= SAMPLE_FROM else None
         with Session(topo, "bench/scale.py") as s:
             net = s.net
             t_ready = time.monotonic() - t0
             pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
             t1 = time.monotonic()
-            rep = verify.measure(net.fabric, pids)
+            rep = verify.measure(net.fabric, pids, per_host=per_host)
             t_verify = time.monotonic() - t1
         total = time.monotonic() - t0
-        rows.append((n, t_ready, t_verify, net.timings["teardown_s"], total,
-                     f"{rep.reachable}/{len(rep.pairs)}"))
-        print(f"  {n} hosts done in {total:.1f} s", flush=True)
-    print(f"\n{'hosts':>6} {'build s':>8} {'verify s':>9} {'teardown s':>11} {'total s':>8} "
-          f"{'pairs reachable':>16} {'goal':>10}")
-    for n, b, v, t, total, reach in rows:
+        rows.append((n, kind, t_ready, t_verify, net.timings["teardown_s"], total,
+                     f"{rep.reachable}/{len(rep.pairs)}" + (" (sampled)" if per_host else ""),
+                     {k: net.timings.get(k, 0.0) for k in STAGES}))
+        print(f"  {n} hosts ({kind}) done in {total:.1f} s", flush=True)
+    print(f"\n{'hosts':>6} {'topology':>10} {'build s':>8} {'verify s':>9} {'teardown s':>11} "
+          f"{'total s':>8} {'pairs reachable':>26} {'goal':>10}")
+    for n, kind, b, v, t, total, reach, _ in rows:
         goal = f"<{GOAL_S[n]:.0f} s " + ("met" if total < GOAL_S[n] else "MISSED") \
             if n in GOAL_S else ""
-        print(f"{n:>6} {b:>8.1f} {v:>9.1f} {t:>11.1f} {total:>8.1f} {reach:>16} {goal:>10}")
+        print(f"{n:>6} {kind:>10} {b:>8.1f} {v:>9.1f} {t:>11.1f} {total:>8.1f} {reach:>26} "
+              f"{goal:>10}")
+    print("\nthe build, by stage (s): " + ", ".join(s.removesuffix("_s") for s in STAGES))
+    for n, kind, *_, stages in rows:
+        print(f"{n:>6} {kind:>10} " + " ".join(f"{stages[s]:>8.1f}" for s in STAGES))
 
 
 if __name__ == "__main__":

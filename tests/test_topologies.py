@@ -124,3 +124,13 @@ def test_a_plane_nic_reaches_the_other_leaves_through_its_own_gateway():
     f = build_topo("leaf-spine", planes=3, spines=1, leaves=2, hosts_per_leaf=1).fabric
     assert plane_routes(f)["g1"] == ["10.11.0.0/16 via 10.11.1.254 dev g1-eth1",
                                      "10.12.0.0/16 via 10.12.1.254 dev g1-eth2"]
+
+
+def test_a_sample_of_pairs_keeps_every_source_and_its_count():
+    from lab.fabric import verify
+    f = build_topo("leaf-spine", spines=2, leaves=4, hosts_per_leaf=4).fabric
+    pairs = verify.pairs_to_probe(f)
+    s = verify.sample(pairs, 5)
+    assert len(s) == 16 * 5 and {p.src for p in s} == {h.name for h in f.hosts}
+    assert all(p in pairs for p in s) and verify.sample(pairs, 5) == s   # the seed decides
+    assert verify.sample(pairs, 100) == pairs          # fewer than asked: all of them

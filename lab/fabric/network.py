@@ -123,6 +123,7 @@ class FabricNetwork:
                                link=Link, intf=FabricIntf, autoSetMacs=False,
                                autoStaticArp=False, build=False, waitConnected=False)
         self.mininet.build()
+        self.timings["namespaces_links_s"] = time.monotonic() - t0    # Mininet: hosts, veths, bridges
         for host in self.mininet.hosts:
             state.record_process(host.pid, f"mininet:{host.name}", "host")
         # the switches connect as they start: the controller listens by then, or they
@@ -134,15 +135,21 @@ class FabricNetwork:
                 self.mininet[host].cmd(f"ip route replace {route}")
         self.timings["build_s"] = time.monotonic() - t0
         pids = {h.name: h.pid for h in self.mininet.hosts}
+        t1 = time.monotonic()
         queues.apply(self.fabric, pids, self.queue_params)
+        self.timings["queues_s"] = time.monotonic() - t1
+        t1 = time.monotonic()
         self.dataplane_missing = dataplane.unavailable() if self.use_dataplane else "turned off"
         if self.dataplane_missing is None:
             self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params)
         elif self.use_dataplane:
             log.warning(f"no per-packet BPF data path here ({self.dataplane_missing}): "
                         f"ECN and PFC fall back to the controller's queue sampling")
+        self.timings["dataplane_s"] = time.monotonic() - t1
+        t1 = time.monotonic()
         # generous: under a software CPU (the lab VM) a switch may take half a minute
         self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
+        self.timings["programming_s"] = time.monotonic() - t1
         self.controller.enable_rerouting()
         if self.datapath == "user":
             self.lift_ovs_send_buffer()

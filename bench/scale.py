@@ -13,8 +13,10 @@ controller's flows on every switch, until each answered a barrier).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
-At 1024 (12-05, 2 cores, OVS userspace): the controller had programmed 38 of the 48
-switches when its 100 s wait ran out (the next step for issue 17's goal).
+At 1024 (12-05, 2 cores, OVS userspace): Mininet's batched bridge creation
+(OVSSwitch.batchStartup) left fl-lf0..fl-lf9 uncreated (its only error: an empty
+`ovs-vsctl` batch), so the controller waited for them in vain: the next step for issue
+17's goal.
 """
 import argparse
 import time

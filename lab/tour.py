@@ -77,6 +77,12 @@ CHAPTERS = (
             "the scale-up links and the steps are short; spread across racks, the same "
             "job waits on the scale-out network. A checkpoint written beside the "
             "gradients' all-reduce slows it."),
+    Chapter("A whole plane fails: one NIC, several fabrics", "plane-failure", (),
+            "Every GPU's NIC has a port on each of two planes, parallel fabrics that share "
+            "nothing else. RC's QPs use one plane; when it fails they stall until it comes "
+            "back. MRC sprays over both planes: it loses the failed plane's packets, "
+            "resends them on the other, retires the plane's entropy values and keeps "
+            "going at the surviving plane's rate."),
 )
 
 

@@ -230,3 +230,34 @@ def test_kv_cache_latency_in_the_express_class(tmp_path):
     assert abs(sum(f.cnp for f in cap.frames[port] if f.dst == src)
                - sum(t["cnps"] for t in transfers)) <= slack
     assert abs(len(express) - packets - m["express"]["retransmitted_packets"]) <= slack
+
+
+def test_plane_failure_at_the_defaults_and_the_planes_bytes_against_the_wire(tmp_path):
+    """A whole plane fails: every claim at the defaults; and the bytes the run counted
+    through plane 1's spine tier (its leaves' uplinks' counters) are the frames a
+    capture of those uplinks holds, RC's none of them."""
+    out = tmp_path / "plane"
+    r = fabriclab("run", "plane-failure", "--capture", "fl-lf2:1,fl-lf3:1", "--out", str(out),
+                  timeout=600)
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
+    result = json.loads((out / "metrics.json").read_text())
+    assert all(c["passed"] for c in result["claims"]), r.stdout
+    cap = wire.RunCaptures(out)
+    ports = sorted(cap.ports)
+    slack = cap.tcpdump_dropped(ports)
+    own_macs = {port: {i.mac for h in cap.fabric.hosts for i in h.interfaces
+                       if i.switch == port.rsplit("-", 1)[0]} for port in ports}
+    for variant in ("rc", "mrc"):
+        m = result["metrics"][variant]
+        counted = sum(m[f"plane_bytes_{phase}"]["1"] for phase in ("before", "outage", "after"))
+        # a capture holds both ways of a port; the leaves route without rewriting the
+        # source MAC, so what a leaf sent up is what came from its own hosts
+        frames = [f for port in ports for f in cap.within([port], m["span_unix"], lambda f: True)
+                  if f.src_mac in own_macs[port]]
+        assert abs(sum(f.length for f in frames) - counted) <= slack * 1500, (variant, counted)
+        roce = [f for f in frames if f.udp_dst is not None and f.opcode is not None]
+        if variant == "rc":
+            assert not roce                       # RC keeps to plane 0
+        else:                                     # MRC's data crossed plane 1 (10.11.x.x)
+            assert sum(f.roce_data for f in roce) > 1000
+            assert all(f.src.startswith("10.11.") for f in roce)

@@ -578,3 +578,74 @@ def test_8023x_pause_stops_every_priority():
     nic_a.deliver(bytes(pause_8023x(1000)), time.monotonic())
     assert all(t > time.monotonic() for t in nic_a.paused_until)
     assert nic_a.paused_until[0] - time.monotonic() < 1000 * 512 / 800e6 + 0.001
+
+
+# --- a multi-plane NIC: one port per plane --------------------------------------------
+A1 = Path("02:f1:00:00:00:00", "02:f1:00:00:00:01", "10.11.0.1", "10.11.0.2")
+B1 = Path("02:f1:00:00:00:01", "02:f1:00:00:00:00", "10.11.0.2", "10.11.0.1")
+
+
+def two_planes(kind, drop_plane1=lambda f: False, rate_mbps=400, **params):
+    """Two hosts whose NICs have a port on each of two planes (two in-memory links)."""
+    wa0, wb0 = link()
+    wa1, wb1 = link(drop_plane1)
+    nic_a, nic_b = Nic(wa0, rate_mbps, EXT_BYTES), Nic(wb0, rate_mbps, EXT_BYTES)
+    nic_a.add_plane(wa1, rate_mbps, A1.src_mac, A.src_mac)
+    nic_b.add_plane(wb1, rate_mbps, B1.src_mac, B.src_mac)
+    region = Region(rkey=7, buf=bytearray(1 << 20))
+    if kind == "rc":
+        qa = nic_a.add(RcQP(A, 0x101, 0x102, None, RcParams(**params)))
+        qb = nic_b.add(RcQP(B, 0x102, 0x101, region, RcParams(**params)))
+    else:
+        qa = nic_a.add(MrcQP(A, 0x101, 0x102, None, MrcParams(**params), planes=(A1,)))
+        qb = nic_b.add(MrcQP(B, 0x102, 0x101, region, MrcParams(**params), planes=(B1,)))
+    return nic_a, nic_b, qa, qb, region, (wa0, wa1, wb0, wb1)
+
+
+def test_mrc_sprays_over_every_plane_and_answers_on_the_plane_it_heard():
+    nic_a, nic_b, qa, qb, region, (wa0, wa1, wb0, wb1) = two_planes("mrc")
+    data = os.urandom(400_000)
+    qa.post_write(data, region.base_va, 7, tag=3)
+    pump([nic_a, nic_b], lambda: ("received", 3, len(data)) in qb.events and qa.idle())
+    assert bytes(region.buf[:len(data)]) == data
+    n0, n1 = len(wa0.sent_ports), len(wa1.sent_ports)
+    assert abs(n0 - n1) <= 0.1 * (n0 + n1)          # each plane's port paced on its own
+    assert set(wa0.sent_ports) == set(wa1.sent_ports) == set(MrcParams().evs)
+    assert wb0.sent_ports and wb1.sent_ports         # SACKs on both planes...
+    assert set(wb1.sent_ports) <= set(MrcParams().evs)   # ...on the EVs they answer
+    assert {ev.plane for ev in qa.evs} == {0, 1} and len(qa.evs) == 2 * len(MrcParams().evs)
+
+
+def test_mrc_survives_a_dead_plane_and_rc_keeps_to_plane_0():
+    dead = {"on": False}
+    nic_a, nic_b, qa, qb, region, (wa0, wa1, *_) = two_planes(
+        "mrc", drop_plane1=lambda f: dead["on"], rto_ms=20.0)
+    data = os.urandom(600_000)
+    qa.post_write(data[:100_000], region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: ("received", 1, 100_000) in qb.events and qa.idle())
+    dead["on"] = True                                # plane 1 fails: every frame lost
+    qa.post_write(data[100_000:], region.base_va + 100_000, 7, tag=2)
+    pump([nic_a, nic_b], lambda: ("received", 2, 500_000) in qb.events and qa.idle())
+    assert bytes(region.buf[:len(data)]) == data
+    bad = [ev for ev in qa.evs if ev.status != "good"]
+    assert bad and all(ev.plane == 1 for ev in bad)
+    assert len(bad) == len(MrcParams().evs)          # every EV of the dead plane retired
+    assert qa.counters.retransmitted > 0
+    nic_a, nic_b, ra, rb, region, (wa0, wa1, *_) = two_planes("rc")
+    ra.post_write(data[:50_000], region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], ra.idle)
+    assert wa0.sent_ports and not wa1.sent_ports
+
+
+def test_a_pause_holds_its_own_plane_only():
+    from traffic import pause
+    nic_a, nic_b, qa, qb, region, (wa0, wa1, *_) = two_planes("mrc")
+    nic_a.deliver(pause.pfc_frame("02:00:00:00:00:01", {PRIORITY_ROCE_DATA: 0xFFFF}),
+                  time.monotonic(), nic_a.ports[1])
+    assert nic_a.ports[1].paused_until[PRIORITY_ROCE_DATA] > time.monotonic()
+    assert nic_a.ports[0].paused_until[PRIORITY_ROCE_DATA] < time.monotonic()
+    data = os.urandom(100_000)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: ("received", 1, len(data)) in qb.events and qa.idle())
+    assert bytes(region.buf[:len(data)]) == data
+    assert wa0.sent_ports and not wa1.sent_ports     # plane 1's port sent nothing

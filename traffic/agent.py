@@ -12,6 +12,9 @@ lab asks. Control is JSON lines: commands on stdin, events on stdout.
         -> {"event": "done", "id": 1, "result": <base64>, "elapsed_s": ..., "counters": ...}
     {"cmd": "exit"}
 
+On a multi-plane fabric the scale-out NIC has a port per plane (--plane) and each peer
+lists its "planes" ([{"ip", "next_hop_mac"}] for planes 1, 2, ...): MRC QPs spray over
+every plane, RC QPs keep to plane 0.
 ("collective": "transfers" takes "send" and "recv" lists instead of "data". "network":
 "scale-up" runs a ring collective or transfers over the scale-up NIC: the peers are then
 GPUs of this rack, with "up_ip" and "up_mac". The peers are the collective's group, which
@@ -65,13 +68,18 @@ def qpn_for(collective_id: int, peer_rank: int) -> int:
 class Agent:
     """A GPU host: its scale-out NIC and, on rack fabrics, its scale-up NIC."""
 
-    def __init__(self, nics: dict[str, tuple[str, str, str, float]], rack: int = 0):
-        # network -> (interface, MAC, IP, rate)
+    def __init__(self, nics: dict[str, tuple[str, str, str, float]], rack: int = 0,
+                 planes: list[tuple[str, str, str, float]] = ()):
+        """nics: network -> (interface, MAC, IP, rate); planes: a multi-plane fabric's
+        planes 1, 2, ...: more ports of the scale-out NIC, each (interface, MAC, IP, rate)."""
         self.rack = rack
         self.addr = {net: (mac, ip) for net, (_, mac, ip, _) in nics.items()}
         self.nics = {net: Nic(PacketWire(intf, ip), rate, EXT_BYTES)
                      for net, (intf, _, ip, rate) in nics.items()}
         self.nic = self.nics["scale-out"]
+        self.plane_addr = [(mac, ip) for _, mac, ip, _ in planes]
+        for intf, mac, ip, rate in planes:
+            self.nic.add_plane(PacketWire(intf, ip), rate, mac, self.addr["scale-out"][0])
         self.pending = None
         self.inbox = b""       # what stdin brought that no one has taken yet
 
@@ -114,9 +122,13 @@ class Agent:
                 mac, ip = self.addr[network]
                 path = Path(mac, p["next_hop_mac"], ip, p["ip"]) if network == "scale-out" \
                     else Path(mac, p["up_mac"], ip, p["up_ip"])
+                # MRC sprays over every plane; RC keeps to plane 0's path
+                planes = {"planes": tuple(Path(m, pp["next_hop_mac"], i, pp["ip"]) for (m, i), pp
+                                          in zip(self.plane_addr, p.get("planes", ())))} \
+                    if network == "scale-out" and qp_cls is MrcQP and self.plane_addr else {}
                 qps[network, peer_rank] = self.nics[network].add(
                     qp_cls(path, qpn_for(cid, peer_rank), qpn_for(cid, rank), region,
-                           params_of[network], **extra[network]))
+                           params_of[network], **extra[network], **planes))
             return qps[network, peer_rank]
 
         if cmd["collective"] == "allreduce":
@@ -268,9 +280,9 @@ class Agent:
         for nic in nics:
             for qpn, qp in nic.qps.items():
                 changes = getattr(qp, "ev_events", None)     # MRC's only
-                for ev, state, why in changes or ():
+                for ev, plane, state, why in changes or ():
                     self.emit(event="ev", id=cid, qp=f"{qpn:#x}", peer=qp.peer_ip, ev=ev,
-                              state=state, why=why, t=round(time.time(), 4))
+                              plane=plane, state=state, why=why, t=round(time.time(), 4))
                 if changes:
                     changes.clear()
         if not select.select([sys.stdin.fileno()], [], [], 0)[0]:
@@ -285,9 +297,11 @@ class Agent:
             if cmd and cmd.get("cmd") == "deny_ev":
                 for nic in nics:
                     for qp in nic.qps.values():
-                        if hasattr(qp, "deny_ev") and any(e.port == cmd["ev"] for e in qp.evs):
+                        plane = cmd.get("plane", 0)
+                        if hasattr(qp, "deny_ev") and any(e.port == cmd["ev"] and e.plane == plane
+                                                          for e in qp.evs):
                             try:
-                                qp.deny_ev(cmd["ev"], now, cmd.get("why", "denied"))
+                                qp.deny_ev(cmd["ev"], now, cmd.get("why", "denied"), plane)
                             except ValueError as e:     # the last one not denied: kept
                                 self.emit(event="warning", id=cid, warning=str(e))
             elif line.strip():
@@ -345,11 +359,14 @@ def main() -> None:
     ap.add_argument("--rack", type=int, default=0)
     ap.add_argument("--up", nargs=4, metavar=("INTF", "MAC", "IP", "RATE_MBPS"),
                     help="the scale-up NIC, on rack fabrics")
+    ap.add_argument("--plane", nargs=4, action="append", default=[],
+                    metavar=("INTF", "MAC", "IP", "RATE_MBPS"),
+                    help="the scale-out NIC's port on the next plane (multi-plane fabrics)")
     a = ap.parse_args()
     nics = {"scale-out": (a.intf, a.mac, a.ip, a.rate_mbps)}
     if a.up:
         nics["scale-up"] = (a.up[0], a.up[1], a.up[2], float(a.up[3]))
-    Agent(nics, a.rack).serve()
+    Agent(nics, a.rack, [(i, m, ip, float(r)) for i, m, ip, r in a.plane]).serve()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A GPU's NIC: one wire, its queue pairs, pacing at the line rate, one loop.
+"""A GPU's NIC: one wire (or one per plane), its queue pairs, pacing at the line rate,
+one loop.
 
 The wire is an AF_PACKET socket on the host's interface (`PacketWire`) or, in
 unit tests, an in-memory link (`MemoryWire`). Received frames are demultiplexed
@@ -20,7 +21,7 @@ from traffic import pause
 from traffic.constants import (DSCP_PRIORITY, MAC_CONTROL_ETHERTYPE, PFC_PRIORITY_COUNT,
                                PRIORITY_ROCE_DATA, ROCE_V2_UDP_PORT)
 from traffic.qp import PACE_AHEAD_S, QueuePair
-from traffic.roce import ETH_P_IP, Malformed, parse
+from traffic.roce import ETH_P_IP, Malformed, mac_bytes, parse
 
 PAUSE_LOG_MAX = 2000              # when pause frames arrived: for reaction-time measurements
 SOL_PACKET = 263
@@ -107,24 +108,58 @@ class PacketWire(SocketWire):
             sock.close()
 
 
-class Nic:
-    def __init__(self, wire, rate_mbps: float, ext_bytes: dict[int, int] | None = None):
+class Port:
+    """One port of a NIC: its wire, paced at the port's rate, paused as its link says.
+    A NIC split into planes has one per plane (one link each, paced and paused on its
+    own); a frame leaves by the port whose MAC it carries as its source."""
+
+    def __init__(self, wire, rate_mbps: float, plane: int = 0):
         self.wire = wire
+        self.plane = plane
         self.rate_bps = rate_mbps * 1e6
-        self.ext_bytes = ext_bytes
-        self.qps: dict[int, QueuePair] = {}
-        self.ctrl: collections.deque[bytes] = collections.deque()
+        self.ctrl: collections.deque[bytes] = collections.deque()   # responses to send
         self.next_tx = 0.0
-        self.rr: collections.deque[int] = collections.deque()
-        self.malformed = 0
-        self.unknown_qp = 0
         self.stalled: bytes | None = None
         # PFC, as a NIC honours it: a paused priority sends nothing until the time
         # runs out or a resume (time 0) arrives; other priorities keep going.
         self.paused_until = [0.0] * PFC_PRIORITY_COUNT
-        self.pause_frames_received = 0
+
+
+class Nic:
+    def __init__(self, wire, rate_mbps: float, ext_bytes: dict[int, int] | None = None):
+        self.ports = [Port(wire, rate_mbps)]
+        self.by_mac: dict[bytes, Port] = {}     # a multi-plane NIC's ports by source MAC
+        self.ext_bytes = ext_bytes
+        self.qps: dict[int, QueuePair] = {}
+        self.rr: collections.deque[int] = collections.deque()
+        self.malformed = 0
+        self.unknown_qp = 0
+        self.pause_frames_received = 0           # on every port together
         self.paused_s = [0.0] * PFC_PRIORITY_COUNT
         self.pause_log: list[tuple[float, int]] = []   # (wall time, quanta) of the first ones
+
+    def add_plane(self, wire, rate_mbps: float, mac: str, plane0_mac: str) -> Port:
+        """One more port, for the next plane (a multi-plane NIC): its frames carry `mac`
+        as their source (`plane0_mac`: the first port's)."""
+        if not self.by_mac:
+            self.by_mac[mac_bytes(plane0_mac)] = self.ports[0]
+        port = Port(wire, rate_mbps, len(self.ports))
+        self.ports.append(port)
+        self.by_mac[mac_bytes(mac)] = port
+        return port
+
+    # the first port's, which is the only one but on a multi-plane NIC
+    @property
+    def wire(self):
+        return self.ports[0].wire
+
+    @property
+    def rate_bps(self) -> float:
+        return self.ports[0].rate_bps
+
+    @property
+    def paused_until(self) -> list[float]:
+        return self.ports[0].paused_until
 
     def add(self, qp: QueuePair) -> QueuePair:
         self.qps[qp.qpn] = qp
@@ -139,19 +174,34 @@ class Nic:
         self.rr.clear()
 
     def flushed(self) -> bool:
-        return self.stalled is None and not self.ctrl
+        return all(p.stalled is None and not p.ctrl for p in self.ports)
+
+    def responding(self) -> bool:
+        """Responses wait to go out."""
+        return any(p.ctrl for p in self.ports)
+
+    def _respond(self, frames: list[bytes]) -> None:
+        """Responses join the queue of the port whose MAC they carry."""
+        for frame in frames:
+            port = self.by_mac.get(frame[6:12], self.ports[0]) if self.by_mac \
+                else self.ports[0]
+            port.ctrl.append(frame)
 
     # --- one turn of the loop ------------------------------------------------------
     def receive(self, now: float, ready: set[int] | None = None) -> int:
         """Take in what arrived; `ready`: the fds poll() reported (None: try all)."""
-        frames = self.wire.recv_all(ready)
-        for frame in frames:
-            self.deliver(frame, now)
-        return len(frames)
+        n = 0
+        for port in self.ports:
+            frames = port.wire.recv_all(ready)
+            for frame in frames:
+                self.deliver(frame, now, port)
+            n += len(frames)
+        return n
 
-    def deliver(self, frame: bytes, now: float) -> None:
+    def deliver(self, frame: bytes, now: float, port: Port | None = None) -> None:
+        port = port or self.ports[0]
         if pause.is_mac_control(frame):
-            self.on_pause(frame, now)
+            self.on_pause(frame, now, port)
             return
         try:
             p = parse(frame, self.ext_bytes)
@@ -164,13 +214,16 @@ class Nic:
         if qp is None:
             self.unknown_qp += 1
             return
+        p.plane = port.plane
         try:
-            self.ctrl.extend(qp.on_packet(p, now))
+            self._respond(qp.on_packet(p, now))
         except (IndexError, ValueError):
             self.malformed += 1   # e.g. a write outside the region: drop it, keep running
 
-    def on_pause(self, frame: bytes, now: float) -> None:
-        """802.1Qbb PFC (per priority) or 802.3x PAUSE (every priority)."""
+    def on_pause(self, frame: bytes, now: float, port: Port | None = None) -> None:
+        """802.1Qbb PFC (per priority) or 802.3x PAUSE (every priority): for the port
+        it came in on."""
+        port = port or self.ports[0]
         quanta = pause.parse(frame)
         if quanta is None:
             self.malformed += 1
@@ -178,46 +231,56 @@ class Nic:
         self.pause_frames_received += 1
         if len(self.pause_log) < PAUSE_LOG_MAX:
             self.pause_log.append((time.time(), max(quanta.values(), default=0)))
-        quantum_s = pause.quantum_s(self.rate_bps)
+        quantum_s = pause.quantum_s(port.rate_bps)
         for prio, q in quanta.items():
-            was = max(0.0, self.paused_until[prio] - now)
-            self.paused_until[prio] = now + q * quantum_s
-            self.paused_s[prio] += max(0.0, self.paused_until[prio] - now) - was
+            was = max(0.0, port.paused_until[prio] - now)
+            port.paused_until[prio] = now + q * quantum_s
+            self.paused_s[prio] += max(0.0, port.paused_until[prio] - now) - was
 
     def paused_now(self, now: float) -> bool:
-        """Some priority is paused."""
-        return any(now < t for t in self.paused_until)
+        """Some priority of some port is paused."""
+        return any(now < t for p in self.ports for t in p.paused_until)
 
-    def paused(self, frame: bytes, now: float) -> bool:
+    @staticmethod
+    def paused(port: Port, frame: bytes, now: float) -> bool:
         prio = DSCP_PRIORITY.get(frame[15] >> 2, 0)
-        return now < self.paused_until[prio]
+        return now < port.paused_until[prio]
 
     def transmit(self, now: float) -> None:
-        while self.ctrl:                       # responses first, unpaced (they are small)
-            if self.paused(self.ctrl[0], now) or not self.wire.send(self.ctrl[0]):
-                break
-            self.ctrl.popleft()
-        if now < self.paused_until[PRIORITY_ROCE_DATA]:
-            return                             # all data is RoCE: its priority is paused
-        while now + PACE_AHEAD_S >= self.next_tx:
-            frame = self.stalled or self._next_data(now)
-            if frame is None:
-                return
-            if not self.wire.send(frame):
-                self.stalled = frame
-                self.next_tx = now + 0.0002
-                return
-            self.stalled = None
-            wire_bits = len(frame) * 8
-            self.next_tx = max(self.next_tx, now - 0.001) + wire_bits / self.rate_bps
+        ready = []
+        for port in self.ports:
+            while port.ctrl:                   # responses first, unpaced (they are small)
+                if self.paused(port, port.ctrl[0], now) or not port.wire.send(port.ctrl[0]):
+                    break
+                port.ctrl.popleft()
+            if now >= port.paused_until[PRIORITY_ROCE_DATA]:   # (all data is RoCE)
+                ready.append(port)
+        # one data frame from each port in turn: a window the planes share evenly
+        while ready:
+            ready = [port for port in ready if self._send_data(port, now)]
 
-    def _next_data(self, now: float) -> bytes | None:
+    def _send_data(self, port: Port, now: float) -> bool:
+        """A data frame out of `port` if its pacing lets it; whether it may send more."""
+        if now + PACE_AHEAD_S < port.next_tx:
+            return False
+        frame = port.stalled or self._next_data(now, port.plane)
+        if frame is None:
+            return False
+        if not port.wire.send(frame):
+            port.stalled = frame
+            port.next_tx = now + 0.0002
+            return False
+        port.stalled = None
+        port.next_tx = max(port.next_tx, now - 0.001) + len(frame) * 8 / port.rate_bps
+        return True
+
+    def _next_data(self, now: float, plane: int) -> bytes | None:
         for _ in range(len(self.rr)):
             qpn = self.rr[0]
             self.rr.rotate(-1)
             qp = self.qps[qpn]
-            if qp.pending(now):
-                return qp.next_frame(now)
+            if qp.pending(now) and qp.sends_on(plane, now):
+                return qp.next_frame(now, plane)
         return None
 
     def timers(self, now: float) -> float:
@@ -228,12 +291,14 @@ class Nic:
             dl = qp.deadline()
             if dl is not None:
                 if dl <= now:
-                    self.ctrl.extend(qp.on_timer(now))
+                    self._respond(qp.on_timer(now))
                     dl = qp.deadline()
                 if dl is not None:
                     wake = min(wake, dl)
-        if self.stalled is not None or any(qp.pending(now) for qp in self.qps.values()):
-            wake = min(wake, max(self.next_tx, now, self.paused_until[PRIORITY_ROCE_DATA]))
+        for port in self.ports:                # a port with data for it: when it may send
+            if port.stalled is not None or any(qp.pending(now) and qp.sends_on(port.plane, now)
+                                               for qp in self.qps.values()):
+                wake = min(wake, max(port.next_tx, now, port.paused_until[PRIORITY_ROCE_DATA]))
         for qp in self.qps.values():       # a QP held back by its own rate (DCQCN)
             if qp.paced(now) and not qp.idle():
                 wake = min(wake, qp.next_tx)
@@ -245,7 +310,8 @@ def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float,
     """Run a host's NICs until done() or the timeout; returns done(). Input on
     `wake_fds` wakes the loop (to check done() at once) without being read."""
     poller = select.poll()
-    for fd in [fd for nic in nics for fd in nic.wire.filenos()] + list(wake_fds):
+    for fd in [fd for nic in nics for port in nic.ports for fd in port.wire.filenos()] + \
+            list(wake_fds):
         poller.register(fd, select.POLLIN)
     end = time.monotonic() + timeout_s
     ready = None                          # the first turn reads every socket
@@ -261,7 +327,7 @@ def drive(nics: list[Nic], done: Callable[[], bool], timeout_s: float,
         # Work left for now: responses to send, or QP events (a message sent or
         # received) that done() has yet to hand to the collective: sleeping now
         # would hold them until the next frame or timer (measured: 50 ms per message).
-        busy = any(nic.ctrl or any(qp.events for qp in nic.qps.values()) for nic in nics)
+        busy = any(nic.responding() or any(qp.events for qp in nic.qps.values()) for nic in nics)
         events = poller.poll(0 if busy else max(0.0, (wake - time.monotonic()) * 1000))
         ready = {fd for fd, _ in events}
     return True

@@ -3,7 +3,9 @@
 A QP is driven by its NIC (nic.py): `pending(now)` says whether it has a frame
 to send now, `next_frame(now)` gives it, `on_packet(p, now)` takes a received
 frame and returns response frames, `deadline()` says when a timer fires and
-`on_timer(now)` fires it (returning response frames too: a delayed SACK).
+`on_timer(now)` fires it (returning response frames too: a delayed SACK). On a
+multi-plane NIC, `sends_on(plane, now)` says whether the QP has a way out on that plane's
+port, and `next_frame(now, plane)` gives a frame for it.
 Completed messages are queued in `events`.
 """
 from __future__ import annotations
@@ -142,6 +144,11 @@ class QueuePair:
 
     def idle(self) -> bool:
         return not self.messages
+
+    def sends_on(self, plane: int, now: float) -> bool:
+        """Whether the QP, pending, can send on plane `plane` now (a multi-plane NIC asks
+        each of its ports in turn): one Path, plane 0's."""
+        return plane == 0
 
     def paced(self, now: float) -> bool:
         """True while the QP's own rate limit holds it back."""

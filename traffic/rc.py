@@ -77,7 +77,7 @@ class RcQP(QueuePair):
         return self.snd_nxt < self.snd_end and not self.paced(now) and \
             self.snd_nxt - self.snd_una < self.params.window_packets
 
-    def next_frame(self, now: float) -> bytes:
+    def next_frame(self, now: float, plane: int = 0) -> bytes:
         seq = self.snd_nxt
         msg, i = self.message_of(seq)
         payload, va = self.chunk(msg, i)

@@ -160,6 +160,7 @@ class Parsed:
     syndrome: int | None = None
     msn: int | None = None
     trimmed: bool = False  # a switch cut it to its headers (its DSCP says so): no payload
+    plane: int = 0         # the NIC port (plane) it came in on: the NIC says
 
 
 class Malformed(ValueError):

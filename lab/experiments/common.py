@@ -1,6 +1,7 @@
 """What experiments share (instead of importing each other): the RoCE frame size,
 RC's parameters through congested ports, rates from a transport's samples, the data
-path's drop counts and what they say about the machine, the all-reduce model."""
+path's drop counts and what they say about the machine, the all-reduce model, how long
+delivery stalled."""
 from __future__ import annotations
 
 import time
@@ -119,3 +120,31 @@ def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
         return (2 * (g - 1) / g * bits / (up_mbps * 1e6)
                 + 2 * (racks - 1) / racks * bits / g / (link_mbps * 1e6))
     return 2 * (n - 1) / n * bits / (link_mbps * 1e6)
+
+
+def stall_s(samples: dict, since: float) -> float:
+    """The longest stretch after `since` in which the delivered bytes did not grow."""
+    longest, last_growth, last = 0.0, since, None
+    for t, d in zip(samples["t"], samples["delivered"]):
+        if t < since:
+            last = d
+            continue
+        if last is not None and d > last:
+            longest = max(longest, t - last_growth)
+            last_growth = t
+        last = d
+    return round(longest, 3)
+
+
+def merged_delivery(series: list[dict]) -> dict:
+    """One delivered-bytes series out of several ({"t": [...], "delivered": [...]}
+    each): at every sample of any of them, the sum of each one's latest value."""
+    points = sorted((t, i, d) for i, s in enumerate(series)
+                    for t, d in zip(s["t"], s["delivered"]))
+    latest = [0] * len(series)
+    out: dict = {"t": [], "delivered": []}
+    for t, i, d in points:
+        latest[i] = d
+        out["t"].append(t)
+        out["delivered"].append(sum(latest))
+    return out

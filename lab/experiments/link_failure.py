@@ -43,7 +43,7 @@ import numpy as np
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import traffic_timeout_s
+from lab.experiments.common import merged_delivery, stall_s, traffic_timeout_s
 from lab.fabric import events
 from lab.fabric.evs import EvController
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -158,20 +158,6 @@ class Failure:
         return self.kind in ("down", "flap")
 
 
-def stall_s(samples: dict, since: float) -> float:
-    """The longest stretch after `since` in which the delivered bytes did not grow."""
-    longest, last_growth, last = 0.0, since, None
-    for t, d in zip(samples["t"], samples["delivered"]):
-        if t < since:
-            last = d
-            continue
-        if last is not None and d > last:
-            longest = max(longest, t - last_growth)
-            last_growth = t
-        last = d
-    return round(longest, 3)
-
-
 def wait_reroute(ctx: RunContext, since: float, timeout_s: float) -> float | None:
     """When the controller finished rerouting after `since` (its event log), or None."""
     deadline = time.time() + timeout_s
@@ -202,20 +188,6 @@ def settle_routes(ctx: RunContext, since: float, t_up: float) -> None:
         time.sleep(0.05)
     raise LabError(f"the routes were not whole again {delay + 5:.1f} s after the link "
                    f"came back (routing-events.jsonl)")
-
-
-def merged_delivery(series: list[dict]) -> dict:
-    """One delivered-bytes series out of several ({"t": [...], "delivered": [...]}
-    each): at every sample of any of them, the sum of each one's latest value."""
-    points = sorted((t, i, d) for i, s in enumerate(series)
-                    for t, d in zip(s["t"], s["delivered"]))
-    latest = [0] * len(series)
-    out: dict = {"t": [], "delivered": []}
-    for t, i, d in points:
-        latest[i] = d
-        out["t"].append(t)
-        out["delivered"].append(sum(latest))
-    return out
 
 
 def time_limit_s(ctx: RunContext, gpus: GpuAgents) -> float:

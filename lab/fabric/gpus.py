@@ -21,6 +21,7 @@ from controllers.routes import Forward, routes_for
 from lab.core import paths, state
 from lab.core.errors import LabError
 from lab.fabric.network import FabricNetwork
+from topologies.base import plane_of
 from topologies.fabric import Fabric, Host, HostInterface
 from traffic.agent import qpn_for
 from traffic.constants import EV_TIER_OF_ROLE, EXPLICIT_EV_BASE, EXPLICIT_EV_MAX_PATHS
@@ -43,6 +44,13 @@ def cpu_times() -> tuple[int, int]:
 
 def scaleup(host: Host) -> HostInterface | None:
     return next((i for i in host.interfaces if i.network == "scale-up"), None)
+
+
+def planes(host: Host) -> list[HostInterface]:
+    """A multi-plane fabric's host: its NIC ports on planes 1, 2, ... (plane 0's is its
+    scale-out interface); none on other fabrics."""
+    return sorted((i for i in host.interfaces if plane_of(i.network)),
+                  key=lambda i: plane_of(i.network))
 
 
 def innermost(hosts: list[Host]) -> str:
@@ -121,6 +129,9 @@ class GpuAgents:
             up = scaleup(h)
             if up is not None:
                 args += ["--up", up.name, up.mac, up.ip, str(up.rate_mbps)]
+            if network == "scale-out":
+                for port in planes(h):
+                    args += ["--plane", port.name, port.mac, port.ip, str(port.rate_mbps)]
             proc = net.mininet[h.name].popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True, bufsize=1)
             state.record_process(proc.pid, f"--intf {intf.name}", "gpu-agent")
@@ -206,6 +217,10 @@ class GpuAgents:
                     "next_hop_mac": next_hop_mac(self.fabric, h, p, self.network)}
             if scaleup(p) and scaleup(h) and p.rack == h.rack:
                 peer.update(up_ip=scaleup(p).ip, up_mac=scaleup(p).mac)
+            if self.network == "scale-out" and planes(h):
+                peer["planes"] = [{"ip": p.interface(port.network).ip,
+                                   "next_hop_mac": next_hop_mac(self.fabric, h, p, port.network)}
+                                  for port in planes(h)]
             peers.append(peer)
         return peers
 

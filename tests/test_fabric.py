@@ -26,6 +26,8 @@ pytestmark = requires_root
     (["--set", "topology=fat-tree", "--set", "k=4"], "reachable: 240/240 host pairs"),
     (["--set", "planes=2", "--set", "spines=2", "--set", "leaves=2", "--set",
       "hosts-per-leaf=2"], "reachable: 12/12 plane1 pairs"),
+    (["--set", "topology=rack", "--set", "racks=2", "--set", "gpus_per_rack=2",
+      "--set", "planes=2"], "reachable: 12/12 plane1 pairs"),
     # 64 hosts with the production queues, every pair: the size CI affords of the 256-host
     # all-pairs burst that once lost pairs (issue 17)
     (["--set", "topology=leaf-spine", "--set", "spines=4", "--set", "leaves=8",

@@ -125,6 +125,20 @@ def probes_equal_the_wire(out, mrc: dict) -> None:
     assert answers + slack >= whys.count("probe answered"), (answers, whys)
 
 
+def test_mrc_on_a_multi_plane_rack_uses_every_plane_as_the_model_says(tmp_path):
+    """planes=2 on the rack fabric: MRC's scale-out phases spray over both planes' ports,
+    so the model counts both (RC would keep to one), and every claim holds."""
+    out = tmp_path / "rack-planes"
+    r = fabriclab("run", "rack-vs-scaleout", "--set", "planes=2", "--set", "transport=mrc",
+                  "--out", str(out), timeout=600)
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
+    result = json.loads((out / "metrics.json").read_text())
+    assert all(c["passed"] for c in result["claims"]), r.stdout
+    fabric = Fabric.load(out / "fabric.json")
+    port = fabric.hosts[0].interface()
+    assert result["metrics"]["scaleout_mbps"] == pytest.approx(2 * port.rate_mbps)
+
+
 def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):
     out = tmp_path / "rack"
     r = fabriclab("run", "rack-vs-scaleout", "--out", str(out),

@@ -119,6 +119,18 @@ def test_planes_are_parallel_fabrics_sharing_only_the_gpus():
         assert len(nets) == 1, (sw, nets)        # plane 0 routes 10.1/16, plane 1 10.11/16
 
 
+def test_rack_planes_split_scale_out_and_keep_one_scale_up_domain_per_rack():
+    f = build_topo("rack", racks=2, gpus_per_rack=2, spines=1, planes=3).fabric
+    assert sorted(s.role for s in f.switches).count("nvswitch") == 2
+    assert len(f.switches) == 2 + 3 * (2 + 1)          # nvswitches, then leaves and spines
+    for h in f.hosts:
+        assert [i.network for i in h.interfaces] == ["scale-out", "scale-up", "plane1", "plane2"]
+        leaves = [i.switch for i in h.interfaces if i.network != "scale-up"]
+        assert len(set(leaves)) == 3                    # its rack's leaf in each plane
+    racks = {h.rack: {i.switch for i in h.interfaces} for h in f.hosts}
+    assert not racks[0] & racks[1]                      # no rack shares a switch with another
+
+
 def test_a_plane_nic_reaches_the_other_leaves_through_its_own_gateway():
     from lab.fabric.network import plane_routes
     f = build_topo("leaf-spine", planes=3, spines=1, leaves=2, hosts_per_leaf=1).fabric

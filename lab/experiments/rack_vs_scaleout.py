@@ -20,7 +20,7 @@ import numpy as np
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import model_time_s
-from lab.fabric import collective
+from lab.fabric import collective, gpus
 
 log = logging.getLogger(__name__)
 NAME = "rack-vs-scaleout"
@@ -58,7 +58,10 @@ def run(ctx: RunContext) -> dict:
     hosts = ctx.fabric.hosts
     n = len(hosts)
     racks = len({h.rack for h in hosts})
-    out_mbps = hosts[0].interface().rate_mbps
+    # a GPU's scale-out bandwidth: on a multi-plane fabric MRC sprays over every plane's
+    # port, RC keeps to plane 0's
+    out_mbps = hosts[0].interface().rate_mbps * (
+        1 + len(gpus.planes(hosts[0])) if p.transport == "mrc" else 1)
     up_mbps = hosts[0].interface("scale-up").rate_mbps
     rng = np.random.default_rng(p.seed)
     tensors = [rng.standard_normal(p.size_kb * 256).astype(np.float32) for _ in range(n)]

@@ -341,9 +341,10 @@ EV_STATE_COLORS = {"good": "C2", "assumed_bad": "C3", "probing": "C1", "denied":
 
 
 def plot_ev_states(result: dict, variant: str, out: Path) -> Path | None:
-    """MRC's EV states over time (link-failure's `ev_changes`, ms since the variant
-    started): a row per QP and EV that changed, its state as a colored span from each
-    change to the next, and the failure. An EV is good until its first change."""
+    """MRC's EV states over time (link-failure's and plane-failure's `ev_changes`, ms
+    since the variant started): a row per QP and EV that changed, its state as a colored
+    span from each change to the next, the failure and (plane-failure) the repair. An EV
+    is good until its first change."""
     section = variants(result["metrics"]).get(variant, {})
     changes = section.get("ev_changes")
     if not changes:
@@ -360,10 +361,11 @@ def plot_ev_states(result: dict, variant: str, out: Path) -> Path | None:
             ax.barh(y, max(nxt - t, end_ms / 500), left=t, color=EV_STATE_COLORS[state],
                     height=0.6)
     ax.set_yticks(range(len(rows)), [f"QP {q} EV {ev}" for q, ev in sorted(rows)])
-    if "failed_at_s" in section:
-        ax.axvline(section["failed_at_s"] * 1e3, color="k", ls="--", lw=1)
-        ax.text(section["failed_at_s"] * 1e3, -0.45, " the link fails", fontsize=8,
-                va="bottom")
+    what = section.get("failed_what", "the link")
+    for key, label in (("failed_at_s", f" {what} fails"), ("restored_at_s", f" {what} is back")):
+        if key in section:
+            ax.axvline(section[key] * 1e3, color="k", ls="--", lw=1)
+            ax.text(section[key] * 1e3, -0.45, label, fontsize=8, va="bottom")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in EV_STATE_COLORS.values()],
               labels=list(EV_STATE_COLORS), fontsize=8, loc="upper left")
     return _save(plt, fig, out / f"ev_states_{variant}.png")

@@ -143,6 +143,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str,
     delivery = result["delivery"]
     evs = [ev for qp in result["evs"] for ev in qp]
     return {"span_unix": [round(t0, 4), round(t_end, 4)],      # what plane_bytes_* cover
+            "failed_what": f"plane {FAILED_PLANE}",
             "failed_at_s": round(t_fail - t0, 3), "restored_at_s": round(t_back - t0, 3),
             "failed_links": failed,
             # bytes through each plane's spine tier: before the failure, in the outage,

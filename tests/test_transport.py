@@ -426,6 +426,37 @@ def test_mrc_resent_packets_neither_time_the_path_nor_pass_others():
     assert not qa.retx and qa.counters.timeouts == 1   # seqs 1-19 still in flight, not lost
 
 
+def test_mrc_finds_a_lost_tail_packet_without_its_retransmit_timer():
+    """The last packets of a message have too few after them to be passed by
+    reorder_packets: once nothing new may go, a packet that a later one passed is lost
+    after tail_loss_srtts smoothed RTTs (RACK's time rule), not after the RTO's 100 ms."""
+    nic_a, nic_b, qa, qb, region = pair("mrc", drop=drop_first_tx({18}))
+    data = os.urandom(20 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    t0 = time.monotonic()
+    pump([nic_a, nic_b], lambda: ("received", 1, len(data)) in qb.events and qa.idle())
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.counters.retransmitted == 1 and qa.counters.timeouts == 0
+    assert time.monotonic() - t0 < MrcParams().rto_ms / 1000
+
+
+def test_mrc_losses_on_a_dead_ev_shrink_the_window_once():
+    """A loss on an EV whose previous packet was lost too points at the path: the EV is
+    retired after ev_fail_losses of them, and only the first shrank the window."""
+    dead = MrcParams().evs[0]
+    nic_a, nic_b, qa, qb, region = pair(
+        "mrc", drop=lambda f: parse(f, EXT_BYTES).sport == dead and f[BTH_OFFSET] != 0xC3)
+    decreases = []
+    shrink = qa._decrease
+    qa._decrease = lambda now: (decreases.append(now), shrink(now))
+    data = os.urandom(300_000)
+    qa.post_write(data, region.base_va, 7, tag=1)
+    pump([nic_a, nic_b], lambda: ("received", 1, len(data)) in qb.events and qa.idle())
+    ev = next(e for e in qa.evs if e.port == dead)
+    assert ev.retirements >= 1 and ev.lost >= MrcParams().ev_fail_losses
+    assert len(decreases) == 1, decreases
+
+
 def test_the_wait_for_timeouts_counts_overlapping_waits_once():
     """timeout_wait_ms: how long lost packets waited for the timers that found them;
     two packets lost 10 ms apart waited rto + 10 ms together, not twice the rto."""

@@ -246,7 +246,7 @@ class MrcQP(QueuePair):
         self.lost_sent_at: dict[int, tuple[float, bool]] = {}
         self.tx_index = 0
         self.max_acked_tx = -1
-        self.answered_sent_at = float("-inf")   # the latest sending answered (its time)
+        self.answered_tx = -1               # the latest sending answered (resent or not)
         self.cwnd = p.max_cwnd_packets if self.fixed_window else \
             self.nscc.cwnd / self.mtu if self.nscc else p.init_cwnd_packets
         # until the receiver speaks, a sender may use its share of a pooled budget, or
@@ -442,7 +442,7 @@ class MrcQP(QueuePair):
             return None
         for f in self.inflight.values():
             if f.sent_at != LOST:
-                if f.sent_at >= self.answered_sent_at:
+                if f.tx_index >= self.answered_tx:
                     return None
                 return f, f.sent_at + self.params.tail_loss_srtts * self.srtt
         return None
@@ -534,7 +534,7 @@ class MrcQP(QueuePair):
         if ev.status == "good" and ev.failures >= self.params.ev_fail_losses \
                 and len(self.active_evs()) > self.params.min_active_evs:
             ev.retirements += 1
-            ev.retired_at, ev.failures = now, 0
+            ev.retired_at = now        # (its failures stand until a probe is answered)
             self.set_ev(ev, "assumed_bad", now, f"{self.params.ev_fail_losses} losses in a row")
         # A loss is a congestion signal when its EV's packets got through before; on an EV
         # whose previous packet was lost too, it points at the path (a dead link, a failed
@@ -576,7 +576,7 @@ class MrcQP(QueuePair):
                 self.retx.remove(seq)
                 self.lost_sent_at.pop(seq, None)
             if f.sent_at != LOST:
-                self.answered_sent_at = max(self.answered_sent_at, f.sent_at)
+                self.answered_tx = max(self.answered_tx, f.tx_index)
             if f.sent_at != LOST and not f.resent:
                 self._rtt_sample(now - f.sent_at, now)
                 timed = now - f.sent_at

@@ -116,8 +116,13 @@ class FabricNetwork:
         self.controller.launch()
         log.info(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
                  f"{self.controller_runtime} controller)")
+        # batch: Mininet creates the bridges in a few ovs-vsctl runs of its own (its
+        # batchStartup). Unbatched (which is what it does for a partial(), not knowing
+        # the class), each bridge is one ovs-vsctl typed into a shell's terminal, whose
+        # line holds 4095 characters: a switch of 48 ports (~4.2k) lost its last ports,
+        # or the whole bridge when the cut fell mid-option (the 1024-host leaf-spine)
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
-                         protocols="OpenFlow15", failMode="secure")
+                         protocols="OpenFlow15", failMode="secure", batch=True)
         controller = partial(LabController, ip="127.0.0.1", port=self.controller.port)
         self.mininet = Mininet(topo=self.topo, switch=switch, controller=controller,
                                link=Link, intf=FabricIntf, autoSetMacs=False,
@@ -130,6 +135,7 @@ class FabricNetwork:
         # back off (OVS waits up to 8 s between attempts)
         self.controller.wait_listening()
         self.mininet.start()
+        self.check_switch_ports()
         for host, routes in plane_routes(self.fabric).items():
             for route in routes:
                 self.mininet[host].cmd(f"ip route replace {route}")
@@ -154,6 +160,16 @@ class FabricNetwork:
         if self.datapath == "user":
             self.lift_ovs_send_buffer()
         self.timings["ready_s"] = time.monotonic() - t0
+
+    def check_switch_ports(self) -> None:
+        """Every switch port is in OVS: Mininet does not check what ovs-vsctl did."""
+        missing = sorted({intf for _, _, intf, _ in queues.switch_ports(self.fabric)}
+                         - ovs.interfaces())
+        if missing:
+            raise LabError(f"OVS lacks {len(missing)} of the fabric's switch ports after "
+                           f"Mininet started the switches ({', '.join(missing[:8])}"
+                           f"{', ...' if len(missing) > 8 else ''}): see the controller log "
+                           f"and 'ovs-vsctl show'")
 
     def lift_ovs_send_buffer(self) -> None:
         """OVS's userspace datapath sends every port's frames through one packet socket

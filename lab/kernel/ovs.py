@@ -46,6 +46,16 @@ def kernel_datapath_available() -> bool:
     return _ok(["genl", "ctrl", "get", "name", "ovs_datapath"])
 
 
+def interfaces() -> set[str]:
+    """The names of every interface OVS has (every bridge's ports and the bridges')."""
+    r = subprocess.run(["ovs-vsctl", "--timeout=30", "--format=csv", "--no-headings",
+                        "--columns=name", "list", "Interface"],
+                       capture_output=True, text=True, timeout=40)
+    if r.returncode:
+        raise LabError(f"ovs-vsctl could not list OVS's interfaces: {r.stderr.strip()}")
+    return {line.strip().strip('"') for line in r.stdout.splitlines() if line.strip()}
+
+
 def datapath_lost_packets() -> int:
     """Packets OVS's datapaths lost on flow-table misses (the upcall to ovs-vswitchd
     failed: its queue was full), summed over the machine's datapaths. No queue counts

@@ -13,10 +13,10 @@ controller's flows on every switch, until each answered a barrier).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
-At 1024 (12-05, 2 cores, OVS userspace): Mininet's batched bridge creation
-(OVSSwitch.batchStartup) left fl-lf0..fl-lf9 uncreated (its only error: an empty
-`ovs-vsctl` batch), so the controller waited for them in vain: the next step for issue
-17's goal.
+At 1024 (12-05, 2 cores, OVS userspace, after the switches' start was batched: see
+lab/fabric/network.py): built in 102.8 s, verify 18.0 s with 11,013 of 65,536 sampled
+pairs reachable, teardown 101.3 s (222 s in all): the reachability and the teardown are
+the next steps for issue 17's goal.
 """
 import argparse
 import time

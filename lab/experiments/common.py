@@ -1,10 +1,12 @@
 """What experiments share (instead of importing each other): the RoCE frame size,
 RC's parameters through congested ports, rates from a transport's samples, the data
-path's drop counts and what they say about the machine, the all-reduce model, how long
-delivery stalled."""
+path's drop counts and what they say about the machine, the all-reduce model, an
+all-reduce's delivery while something fails and how long it stalled."""
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
@@ -148,3 +150,23 @@ def merged_delivery(series: list[dict]) -> dict:
         out["t"].append(t)
         out["delivered"].append(sum(latest))
     return out
+
+
+def allreduce_delivery(gpus, allreduce_kb: int, transport: str, timeout_s: float,
+                       params: dict | None = None) -> dict:
+    """A ring all-reduce of `allreduce_kb` of float32 per GPU (op mean, seeded tensors)
+    while something fails: whether every GPU holds the mean, when, and the bytes
+    delivered over time summed over every receiving QP (what stall_s reads)."""
+    n = len(gpus.hosts)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(allreduce_kb * 256).astype(np.float32) for _ in range(n)]
+    res = gpus.allreduce(grads, transport, op="mean", params=params, timeout_s=timeout_s)
+    expected = np.mean(np.stack(grads), axis=0)
+    counters = [c for per_host in res.counters for c in per_host.values()]
+    per_host = [{"t": s["t"], "delivered": [sum(v) for v in zip(*s["delivered"].values())]}
+                for s in res.rate_samples]
+    return {"delivery": merged_delivery(per_host), "completion_s": res.time_s,
+            "retransmitted_packets": sum(c["retransmitted"] for c in counters),
+            "timeouts": sum(c["timeouts"] for c in counters),
+            "evs": [evs for per_host in res.evs for evs in per_host.values()],
+            "intact": all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)}

@@ -39,11 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import merged_delivery, stall_s, traffic_timeout_s
+from lab.experiments.common import allreduce_delivery, stall_s, traffic_timeout_s
 from lab.fabric import events
 from lab.fabric.evs import EvController
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -209,21 +207,8 @@ def transfer(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | No
 
 
 def allreduce(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | None) -> dict:
-    n = len(gpus.hosts)
-    rng = np.random.default_rng(1)
-    grads = [rng.standard_normal(ctx.params.allreduce_kb * 256).astype(np.float32)
-             for _ in range(n)]
-    res = gpus.allreduce(grads, transport, op="mean", params=params,
-                         timeout_s=time_limit_s(ctx, gpus))
-    expected = np.mean(np.stack(grads), axis=0)
-    counters = [c for per_host in res.counters for c in per_host.values()]
-    per_host = [{"t": s["t"], "delivered": [sum(v) for v in zip(*s["delivered"].values())]}
-                for s in res.rate_samples]
-    return {"delivery": merged_delivery(per_host), "completion_s": res.time_s,
-            "retransmitted_packets": sum(c["retransmitted"] for c in counters),
-            "timeouts": sum(c["timeouts"] for c in counters),
-            "evs": [evs for per_host in res.evs for evs in per_host.values()],
-            "intact": all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)}
+    return allreduce_delivery(gpus, ctx.params.allreduce_kb, transport,
+                              time_limit_s(ctx, gpus), params)
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str, leaf: str) -> dict:

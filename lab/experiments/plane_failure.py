@@ -26,11 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import merged_delivery, stall_s, traffic_timeout_s
+from lab.experiments.common import allreduce_delivery, stall_s, traffic_timeout_s
 from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import set_link
 from topologies.base import plane_of
@@ -87,24 +85,6 @@ def plane_bytes(uplinks: dict[int, list[str]]) -> dict[int, int]:
     return {plane: sum(tx_bytes(i) for i in intfs) for plane, intfs in uplinks.items()}
 
 
-def allreduce(ctx: RunContext, gpus: GpuAgents, transport: str) -> dict:
-    n = len(gpus.hosts)
-    rng = np.random.default_rng(1)
-    grads = [rng.standard_normal(ctx.params.allreduce_kb * 256).astype(np.float32)
-             for _ in range(n)]
-    res = gpus.allreduce(grads, transport, op="mean", timeout_s=traffic_timeout_s(
-        2 * ctx.params.allreduce_kb * 1024, gpus.hosts[0].interface().rate_mbps))
-    expected = np.mean(np.stack(grads), axis=0)
-    counters = [c for per_host in res.counters for c in per_host.values()]
-    per_host = [{"t": s["t"], "delivered": [sum(v) for v in zip(*s["delivered"].values())]}
-                for s in res.rate_samples]
-    return {"delivery": merged_delivery(per_host), "completion_s": res.time_s,
-            "retransmitted_packets": sum(c["retransmitted"] for c in counters),
-            "timeouts": sum(c["timeouts"] for c in counters),
-            "evs": [evs for per_host in res.evs for evs in per_host.values()],
-            "intact": all(np.allclose(r, expected, atol=1e-5 * n) for r in res.results)}
-
-
 def delivered_between(delivery: dict, t0: float, t1: float) -> float:
     """Bytes delivered per second within [t0, t1] (the samples nearest inside it)."""
     pts = [(t, d) for t, d in zip(delivery["t"], delivery["delivered"]) if t0 <= t <= t1]
@@ -118,7 +98,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str,
     p = ctx.params
     failed = uplinks[FAILED_PLANE]
     result: dict = {}
-    work = threading.Thread(target=lambda: result.update(allreduce(ctx, gpus, transport)))
+    limit_s = traffic_timeout_s(2 * p.allreduce_kb * 1024, gpus.hosts[0].interface().rate_mbps)
+    work = threading.Thread(target=lambda: result.update(
+        allreduce_delivery(gpus, p.allreduce_kb, transport, limit_s)))
     t0 = time.time()
     start = plane_bytes(uplinks)
     work.start()
@@ -134,8 +116,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, transport: str,
         set_link(intf, up=True)
     log.info(f"  plane {FAILED_PLANE} back at {t_back - t0:.2f} s")
     during = plane_bytes(uplinks)
-    work.join(timeout=traffic_timeout_s(2 * p.allreduce_kb * 1024,
-                                        gpus.hosts[0].interface().rate_mbps) + 60)
+    work.join(timeout=limit_s + 60)
     end = plane_bytes(uplinks)
     t_end = time.time()
     if not result:

@@ -10,6 +10,9 @@ from topologies.base import plane_of
 from topologies.fabric import Fabric
 
 
+MAX_TRIES = 10     # probe rounds while a round still gains answers (lab/kernel/probe.py)
+
+
 @dataclass
 class ProbePair:
     src: str
@@ -92,5 +95,6 @@ def measure(fabric: Fabric, host_pids: dict[str, int], tries: int = 3,
     pairs = pairs_to_probe(fabric)
     if per_host is not None:
         pairs = sample(pairs, per_host)
-    results = probe([(p.src, p.dst, p.dst_ip) for p in pairs], host_pids, tries=tries)
+    results = probe([(p.src, p.dst, p.dst_ip) for p in pairs], host_pids, tries=tries,
+                    max_tries=MAX_TRIES)
     return Reachability(pairs, results)

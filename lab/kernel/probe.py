@@ -39,13 +39,14 @@ class PairResult:
 
 def probe(pairs: list[tuple[str, str, str]], host_pids: dict[str, int],
           tries: int = 3, timeout_s: float = 2.0, rate_pps: float = 20000,
-          max_tries: int = 10) -> list[PairResult]:
+          max_tries: int | None = None) -> list[PairResult]:
     """pairs: (src host, dst host, dst ip). Returns one result per pair. `tries` rounds
-    for the pairs still unanswered, and more, up to `max_tries`, while a round still
-    gains answers: a fabric's first contacts wait on ARP, which the controller answers,
-    and on a slow machine (the lab VM's software CPU: 64 hosts of two 32-host leaves,
-    2985-3138 of 4032 pairs after 3 rounds, every pair on the next measure) a host
-    gives up on a neighbour before the controller's answer comes."""
+    for the pairs still unanswered, and more, up to `max_tries` (None: none more), while
+    a round still gains answers: for reachability, where a fabric's first contacts wait
+    on ARP, which the controller answers, and on a slow machine (the lab VM's software
+    CPU: 64 hosts of two 32-host leaves, 2985-3138 of 4032 pairs after 3 rounds, every
+    pair on the next measure) a host gives up on a neighbour before the answer comes. A
+    loss measurement wants its rounds exact (max_tries None)."""
     names = sorted({p[0] for p in pairs})
     socks = {n: socket_in_netns(host_pids[n], socket.SOCK_RAW, socket.IPPROTO_ICMP)
              for n in names}
@@ -69,7 +70,7 @@ def probe(pairs: list[tuple[str, str, str]], host_pids: dict[str, int],
         by_fd[s.fileno()] = s
     try:
         gained = True
-        for round_ in range(max_tries):
+        for round_ in range(max(tries, max_tries or 0)):
             missing = [(k, r) for k, r in keyed if r.rtt_ms is None]
             if not missing or (round_ >= tries and not gained):
                 break

@@ -7,17 +7,18 @@ under 3 minutes (issue 17). At 1024 hosts all pairs (1,047,552) would take longe
 the build, so each host pings SAMPLE_PER_HOST random others (lab/fabric/verify.sample:
 65,536 pairs, every host sending, every leaf pair covered), and the table says so.
 The build splits into: namespaces_links (from the start: the controller's launch, then
-Mininet's host namespaces, veths and OVS bridges),
-queues (tc on every port), dataplane (BPF programs and maps), programming (the
-controller's flows on every switch, until each answered a barrier).
+Mininet's host namespaces and veths), switches (the OVS bridges and their ports),
+queues (tc on every port), dataplane (BPF programs attached), programming (the
+controller's flows on every switch, until each answered a barrier, once the rest is
+done), session (what the session adds: telemetry).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
-At 1024 (12-05, 2 cores, OVS userspace, after the switches' start was batched: see
-lab/fabric/network.py): built in 102.8 s, verify 18.0 s with 11,013 of 65,536 sampled
-pairs reachable, teardown 101.3 s (222 s in all); with the prober retrying while it gains
-answers, 39,818 reachable in 46.8 s (252 s in all). The reachability and the teardown are
-the next steps for issue 17's goal.
+Measured (12-05, 2 cores, OVS userspace): 256 hosts 29.4 s (build 9.1, verify 13.3,
+teardown 7.0), every pair; 1024 leaf-spine 109.1 s (build 49.6: 34.4 namespaces and
+links, 7.7 queues, 1.8 data path; verify 16.5; teardown 42.9), every sampled pair;
+1024 fat-tree k=16 316.7 s (build 130.6: switches 59.7; verify 71.2, 61,362 of 65,536
+sampled pairs; teardown 114.9): over the goal, see the README.
 """
 import argparse
 import time
@@ -34,7 +35,8 @@ FAT_TREE_1024 = ("fat-tree", dict(k=16))
 GOAL_S = {256: 60.0, 1024: 180.0}
 SAMPLE_FROM = 1024           # hosts from which verify samples pairs
 SAMPLE_PER_HOST = 64
-STAGES = ("namespaces_links_s", "queues_s", "dataplane_s", "programming_s")
+STAGES = ("namespaces_links_s", "switches_s", "queues_s", "dataplane_s", "programming_s",
+          "session_s")
 
 
 def main() -> None:
@@ -61,7 +63,8 @@ def main() -> None:
         total = time.monotonic() - t0
         rows.append((n, kind, t_ready, t_verify, net.timings["teardown_s"], total,
                      f"{rep.reachable}/{len(rep.pairs)}" + (" (sampled)" if per_host else ""),
-                     {k: net.timings.get(k, 0.0) for k in STAGES}))
+                     {**{k: net.timings.get(k, 0.0) for k in STAGES},
+                      "session_s": t_ready - net.timings.get("ready_s", t_ready)}))
         print(f"  {n} hosts ({kind}) done in {total:.1f} s", flush=True)
     print(f"\n{'hosts':>6} {'topology':>10} {'build s':>8} {'verify s':>9} {'teardown s':>11} "
           f"{'total s':>8} {'pairs reachable':>26} {'goal':>10}")

@@ -5,7 +5,12 @@ learnt by flooding: each switch gets, as soon as it connects,
   * a /32 rule per host of the subnets it owns (MACs rewritten like a router),
   * a rule per other subnet towards its owner: one port, or an ECMP select
     group over every equal-cost port,
-  * ARP to the controller, which answers from the description (proxy ARP),
+  * an ARP answer on each switch with host ports for every address its hosts may
+    ask for (their gateway, their subnet's hosts), from the description: the
+    switch turns the request into the reply itself, as a fabric's ARP suppression
+    does. Sent to the controller as packet-ins instead, a 1024-host fabric's first
+    contacts overflowed OVS's queue of packet-ins (100 per switch connection) and a
+    third of its hosts' pings went unanswered,
   * MAC Control frames (PFC, PAUSE) to the controller, whose congestion app
     honours them (controllers/congestion.py; where the BPF data path takes them
     instead, that app drops them in the switch, above this rule).
@@ -41,11 +46,10 @@ from os_ken.base import app_manager
 from os_ken.controller import ofp_event
 from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
 from os_ken.lib import hub
-from os_ken.lib.packet import arp, ethernet, packet
 from os_ken.ofproto import ether, ofproto_v1_5
 from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
-from controllers.routes import Deliver, Forward, arp_table, routes_for, without_links
+from controllers.routes import Deliver, Forward, arp_answers, routes_for, without_links
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import (EV_FIELD_BITS, EV_TIER_OF_ROLE, EXPLICIT_EV_BASE,
                                EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
@@ -68,6 +72,7 @@ PRIORITY_EXPLICIT_EV = 250     # a RoCE packet whose source port names its path
 EXPLICIT_EV_RANGE_MASK = 0xF000
 PRIORITY_SUBNET = 200
 PRIORITY_ARP = 100
+ARP_REQUEST, ARP_REPLY = 1, 2
 PRIORITY_MAC_CONTROL = 100
 PRIORITY_PAUSE_DROP = 110      # the congestion app's, where the data path takes the frames
 
@@ -121,8 +126,7 @@ class FabricRouter(app_manager.OSKenApp):
         self.fabric = Fabric.load(conf.fabric_file)
         self.status_file = conf.status_file
         self.routes = routes_for(self.fabric)
-        self.arp = arp_table(self.fabric)
-        self.subnets = [(ipaddress.ip_network(c), c) for c in self.arp]
+        self.arp_answers = arp_answers(self.fabric)
         self.by_dpid = {sw.dpid: sw.name for sw in self.fabric.switches}
         self.by_name = {sw.name: sw for sw in self.fabric.switches}
         self.pending_barrier: set[int] = set()
@@ -186,19 +190,6 @@ class FabricRouter(app_manager.OSKenApp):
                 with open(self.status_file, "a") as f:
                     f.write(f"{dpid}\n")
 
-    @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
-    @logged
-    def packet_in(self, ev):
-        msg = ev.msg
-        pkt = packet.Packet(msg.data)
-        req = pkt.get_protocol(arp.arp)
-        if req is None or req.opcode != arp.ARP_REQUEST:
-            return
-        mac = self.resolve(req.src_ip, req.dst_ip)
-        if mac is None:
-            return
-        self.send_arp_reply(msg.datapath, msg.match["in_port"], req, mac)
-
     # --- rerouting ----------------------------------------------------------------------
     def reroute_delay_s(self) -> float:
         try:
@@ -240,9 +231,9 @@ class FabricRouter(app_manager.OSKenApp):
                               [parser.OFPActionDecNwTtl(),
                                parser.OFPActionGroup(groups[route.ports])])
                 self.add_explicit_paths(dp, route, self.by_name[name].role)
+        for cidr, ip, mac in self.arp_answers.get(name, []):
+            self.add_arp_answer(dp, cidr, ip, mac)
         to_controller = [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)]
-        self.add_flow(dp, PRIORITY_ARP, parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP),
-                      to_controller)
         self.add_flow(dp, PRIORITY_MAC_CONTROL, parser.OFPMatch(eth_type=MAC_CONTROL_ETHERTYPE),
                       to_controller)
         for port in sorted(self.fabric.switch_ports(name)):
@@ -299,24 +290,20 @@ class FabricRouter(app_manager.OSKenApp):
                                       instructions=inst))
 
     # --- ARP ------------------------------------------------------------------------
-    def resolve(self, src_ip: str, dst_ip: str) -> str | None:
-        """The MAC a host at src_ip should learn for dst_ip: only within its own subnet."""
-        src = ipaddress.ip_address(src_ip)
-        for net, cidr in self.subnets:
-            if src in net:
-                return self.arp[cidr].get(dst_ip)
-        return None
-
-    @staticmethod
-    def send_arp_reply(dp, port: int, req, mac: str) -> None:
+    def add_arp_answer(self, dp, cidr: str, ip: str, mac: str) -> None:
+        """A request from `cidr` for `ip` goes back out its port as the reply: `mac`
+        is at `ip` (the asker's addresses copied into the target fields)."""
         ofp, parser = dp.ofproto, dp.ofproto_parser
-        reply = packet.Packet()
-        reply.add_protocol(ethernet.ethernet(ethertype=ether.ETH_TYPE_ARP,
-                                             dst=req.src_mac, src=mac))
-        reply.add_protocol(arp.arp(opcode=arp.ARP_REPLY, src_mac=mac, src_ip=req.dst_ip,
-                                   dst_mac=req.src_mac, dst_ip=req.src_ip))
-        reply.serialize()
-        dp.send_msg(parser.OFPPacketOut(dp, buffer_id=ofp.OFP_NO_BUFFER,
-                                        match=parser.OFPMatch(in_port=ofp.OFPP_CONTROLLER),
-                                        actions=[parser.OFPActionOutput(port)],
-                                        data=reply.data))
+        net = ipaddress.ip_network(cidr)
+        match = parser.OFPMatch(eth_type=ether.ETH_TYPE_ARP, arp_op=ARP_REQUEST,
+                                arp_spa=(str(net.network_address), str(net.netmask)),
+                                arp_tpa=ip)
+        actions = [parser.OFPActionCopyField(n_bits=48, oxm_ids=["eth_src", "eth_dst"]),
+                   parser.OFPActionSetField(eth_src=mac),
+                   parser.OFPActionSetField(arp_op=ARP_REPLY),
+                   parser.OFPActionCopyField(n_bits=48, oxm_ids=["arp_sha", "arp_tha"]),
+                   parser.OFPActionCopyField(n_bits=32, oxm_ids=["arp_spa", "arp_tpa"]),
+                   parser.OFPActionSetField(arp_sha=mac),
+                   parser.OFPActionSetField(arp_spa=ip),
+                   parser.OFPActionOutput(ofp.OFPP_IN_PORT)]
+        self.add_flow(dp, PRIORITY_ARP, match, actions)

@@ -95,3 +95,15 @@ def arp_table(fabric: Fabric) -> dict[str, dict[str, str]]:
         for intf in host.interfaces:
             table[fabric.subnet_of(intf.ip).cidr][intf.ip] = intf.mac
     return table
+
+
+def arp_answers(fabric: Fabric) -> dict[str, list[tuple[str, str, str]]]:
+    """switch -> the ARP requests it answers itself: (subnet cidr of the asker, ip asked
+    for, its mac), for every subnet with a host port on the switch."""
+    table = arp_table(fabric)
+    cidrs: dict[str, set[str]] = {}
+    for host in fabric.hosts:
+        for intf in host.interfaces:
+            cidrs.setdefault(intf.switch, set()).add(fabric.subnet_of(intf.ip).cidr)
+    return {sw: [(cidr, ip, mac) for cidr in sorted(cs) for ip, mac in table[cidr].items()]
+            for sw, cs in cidrs.items()}

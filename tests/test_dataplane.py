@@ -80,7 +80,11 @@ class Programs:
         for m, name in zip(self.keep, ("ports", "events", "origins", "sends", "history")):
             m.pin(pin_dir / name)
 
-    def attach(self, pid: int, intf: str, section: str, consts: dict) -> None:
+    def attach(self, pid: int, intf: str, section: str, slot: int,
+               peer: int = dataplane.NO_SLOT, switch: bool = False) -> None:
+        """`section`'s program on `intf` as link end `slot` (the filter's classid), whose
+        role its slot's entry says: a switch's port or not, and its peer switch port."""
+        self.table.set_role(slot, peer, switch)
         hook = tcnl.CLSACT_EGRESS if section == "tc/egress" else tcnl.CLSACT_INGRESS
         nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
                                                 family=socket.AF_NETLINK))
@@ -88,8 +92,8 @@ class Programs:
         if (pid, ifindex) not in self.clsact:
             nl.add_clsact(ifindex)
             self.clsact.add((pid, ifindex))
-        fd = self.obj.load(section, self.maps, consts, name="fl_test")
-        nl.attach_bpf(ifindex, hook, fd, "fl-test")
+        fd = self.obj.load(section, self.maps, name="fl_test")
+        nl.attach_bpf(ifindex, hook, fd, "fl-test", classid=slot)
         os.close(fd)
         nl.close()
 
@@ -116,8 +120,8 @@ class Pair:
         self.table, self.ring = self.dp.table, self.dp.ring
         self.table.set_queues(0, {DSCP_ROCE_DATA: PRIORITY_ROCE_DATA},
                               {0: BUFFER, PRIORITY_ROCE_DATA: BUFFER})
-        self.dp.attach(self.procs[0].pid, INTF_A, "tc/egress", {"port_slot": 0})
-        self.dp.attach(self.procs[1].pid, INTF_B, "tc/ingress", {"port_slot": 1, "peer_slot": 0})
+        self.dp.attach(self.procs[0].pid, INTF_A, "tc/egress", 0)
+        self.dp.attach(self.procs[1].pid, INTF_B, "tc/ingress", 1, peer=0)
         return self
 
     def __exit__(self, *exc):
@@ -304,16 +308,17 @@ class Router:
         time.sleep(0.2)
         self.dp = Programs(6)
         self.table, self.ring = self.dp.table, self.dp.ring
-        for ns, intf, section, consts in (
-                (r, f"{r}-eth0", "tc/egress", {"port_slot": 0}),
-                (d, f"{d}-eth0", "tc/ingress", {"port_slot": 1, "peer_slot": 0}),
-                (r, f"{r}-eth1", "tc/ingress", {"port_slot": 2, "switch_port": 1}),
-                (r, f"{r}-eth2", "tc/ingress", {"port_slot": 4, "switch_port": 1}),
-                (r, f"{r}-eth1", "tc/egress", {"port_slot": 2}),
-                (r, f"{r}-eth2", "tc/egress", {"port_slot": 4}),
-                (s1, f"{s1}-eth0", "tc/ingress", {"port_slot": 3}),
-                (s2, f"{s2}-eth0", "tc/ingress", {"port_slot": 5})):
-            self.dp.attach(self.procs[ns].pid, intf, section, consts)
+        no = dataplane.NO_SLOT
+        for ns, intf, section, slot, peer, switch in (
+                (r, f"{r}-eth0", "tc/egress", 0, no, True),
+                (d, f"{d}-eth0", "tc/ingress", 1, 0, False),
+                (r, f"{r}-eth1", "tc/ingress", 2, no, True),
+                (r, f"{r}-eth2", "tc/ingress", 4, no, True),
+                (r, f"{r}-eth1", "tc/egress", 2, no, True),
+                (r, f"{r}-eth2", "tc/egress", 4, no, True),
+                (s1, f"{s1}-eth0", "tc/ingress", 3, no, False),
+                (s2, f"{s2}-eth0", "tc/ingress", 5, no, False)):
+            self.dp.attach(self.procs[ns].pid, intf, section, slot, peer, switch)
         return self
 
     def ifindex(self, ns: str, intf: str) -> int:

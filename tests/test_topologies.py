@@ -3,7 +3,7 @@ import ipaddress
 
 import pytest
 
-from controllers.routes import Deliver, Forward, routes_for
+from controllers.routes import Deliver, Forward, arp_answers, routes_for
 from topologies.fabric import interface_name
 from topologies.params import ParamError
 from topologies.registry import build_topo, make_params
@@ -48,6 +48,26 @@ def test_leaf_uplinks_form_one_ecmp_set_per_remote_leaf():
     assert len(delivers) == 2
     spine = routes_for(f)["fl-sp0"]
     assert all(isinstance(r, Forward) and len(r.ports) == 1 for r in spine)
+
+
+def test_a_switch_answers_arp_for_its_hosts_subnets_only():
+    f = build_topo("rack", racks=2, gpus_per_rack=4, spines=2).fabric
+    answers = arp_answers(f)
+    assert set(answers) == {i.switch for h in f.hosts for i in h.interfaces}
+    assert not any(f.switch(sw).role == "spine" for sw in answers)
+    for sw, entries in answers.items():
+        cidrs = {f.subnet_of(i.ip).cidr for h in f.hosts for i in h.interfaces
+                 if i.switch == sw}
+        assert {c for c, _, _ in entries} == cidrs
+        for cidr, ip, mac in entries:     # a neighbour's or the gateway's address
+            sn = next(s for s in f.subnets if s.cidr == cidr)
+            owners = {i.mac for h in f.hosts for i in h.interfaces if i.ip == ip}
+            assert ipaddress.ip_address(ip) in ipaddress.ip_network(cidr)
+            assert mac in owners or (ip, mac) == (sn.gateway_ip, sn.gateway_mac)
+    # a rack's scale-up domain (no gateway): its hosts only, each by its own MAC
+    up = {ip: mac for c, ip, mac in answers[f.hosts[0].interface("scale-up").switch]}
+    assert up == {i.ip: i.mac for h in f.hosts[:4] for i in h.interfaces
+                  if i.network == "scale-up"}
 
 
 def test_fat_tree_ecmp_at_edge_and_aggregation():

@@ -18,7 +18,7 @@ import time
 from shutil import which
 
 from lab.core import state
-from lab.kernel import dataplane, impair
+from lab.kernel import dataplane, impair, ovs
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 
@@ -48,6 +48,14 @@ def lab_links() -> list[str]:
     return names
 
 
+def delete_links(names: list[str]) -> None:
+    """Delete links in one `ip -batch` (a veth's peer goes with it); one that is gone
+    already (its namespace ended meanwhile) is no error."""
+    if names:
+        subprocess.run(["ip", "-force", "-batch", "-"], input="".join(
+            f"link del {n}\n" for n in names), capture_output=True, text=True)
+
+
 def lab_netns() -> list[str]:
     return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines()
             if line and LAB_NETNS.match(line.split()[0])]
@@ -67,11 +75,8 @@ def clean() -> dict[str, list]:
     """Remove every lab object; return what was removed."""
     found = leftovers()
     _kill(found["processes"])
-    for br in found["bridges"]:
-        subprocess.run(["ovs-vsctl", "--timeout=10", "--if-exists", "del-br", br],
-                       capture_output=True)
-    for link in lab_links():   # deleting a bridge may already have taken some
-        subprocess.run(["ip", "link", "del", link], capture_output=True)
+    ovs.delete_bridges(found["bridges"])
+    delete_links(lab_links())   # deleting a bridge may already have taken some
     for ns in found["netns"]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     dataplane.remove_pins()

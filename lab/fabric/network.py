@@ -28,6 +28,7 @@ from lab.fabric import cleanup
 from lab.fabric.controller import Controller
 from lab.kernel import dataplane, ovs, queues
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
+from topologies.fabric import interface_name
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,10 @@ class FabricNetwork:
         # the switches connect as they start: the controller listens by then, or they
         # back off (OVS waits up to 8 s between attempts)
         self.controller.wait_listening()
+        t1 = time.monotonic()
         self.mininet.start()
         self.check_switch_ports()
+        self.timings["switches_s"] = time.monotonic() - t1    # OVS: bridges and their ports
         for host, routes in plane_routes(self.fabric).items():
             for route in routes:
                 self.mininet[host].cmd(f"ip route replace {route}")
@@ -195,15 +198,15 @@ class FabricNetwork:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a 2nd Ctrl-C must not cut teardown short
         t0 = time.monotonic()
         try:
-            if self.mininet is not None:
-                try:
-                    self.mininet.stop()
-                except Exception as e:   # the sweep below still removes what it left
-                    log.warning(f"Mininet stop failed ({e}); sweeping")
-                self.mininet = None
-            if self.controller is not None:
+            if self.controller is not None:   # first: links going down would reroute
                 self.controller.stop()
                 self.controller = None
+            if self.mininet is not None:
+                try:
+                    self._stop_mininet()
+                except Exception as e:   # the sweep below still removes what it left
+                    log.warning(f"stopping Mininet's nodes failed ({e}); sweeping")
+                self.mininet = None
             if self.dataplane is not None:
                 self.dataplane.close()
                 self.dataplane = None
@@ -214,6 +217,23 @@ class FabricNetwork:
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None
+
+    def _stop_mininet(self) -> None:
+        """Mininet's own stop deletes each link with an `ip link del` typed into a
+        node's shell while OVS still holds the ports, and OVS reconfigures for every
+        one: a 1024-host fabric took 100 s. Here the bridges go in one ovs-vsctl
+        transaction, then the nodes' shells end: a host's namespace ends with its
+        shell, and the kernel deletes the links in it (and their peers, the switch
+        ports) in one batch; the links between switches, both ends in this namespace,
+        go in one `ip -batch`. Measured at 1024 hosts: bridges 33 s, switch links
+        12 s (512), the hosts' links gone meanwhile: 46 s in all."""
+        net = self.mininet
+        ovs.delete_bridges([sw.name for sw in net.switches])
+        for node in (*net.hosts, *net.switches):
+            node.terminate()
+        switches = {sw.name for sw in self.fabric.switches}
+        cleanup.delete_links([interface_name(ln.a, ln.a_port) for ln in self.fabric.links
+                              if ln.a in switches and ln.b in switches])
 
     # --- access -------------------------------------------------------------------------
     def host_pid(self, name: str) -> int:

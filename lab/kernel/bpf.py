@@ -5,13 +5,11 @@ neither libbpf's Python bindings nor bpftool are needed at run time:
 
     obj = ElfObject(Path("prog.o"))
     ports = Map.create(BPF_MAP_TYPE_ARRAY, 4, 256, 64, flags=BPF_F_MMAPABLE, name="fl_ports")
-    fd = obj.load("tc/egress", maps={"ports": ports.fd}, rodata={"port_slot": 3})
+    fd = obj.load("tc/egress", maps={"ports": ports.fd})
 
 Maps are created here (the object's `maps` section only names them: no BTF is
-needed, so the same object loads on the lab VM's 6.1 kernel); each program load
-gets its own read-only data (a frozen one-element array), which is how one
-object serves every port with that port's constants. Load errors carry the
-verifier's log.
+needed, so the same object loads on the lab VM's 6.1 kernel). Load errors carry
+the verifier's log.
 """
 from __future__ import annotations
 
@@ -28,12 +26,10 @@ SYS_BPF = 321     # x86_64
 
 BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM = 0, 1, 2
 BPF_PROG_LOAD, BPF_OBJ_PIN, BPF_OBJ_GET = 5, 6, 7
-BPF_MAP_FREEZE = 22
 BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_RINGBUF = 2, 9, 27
 BPF_PROG_TYPE_SCHED_CLS = 3
 BPF_F_MMAPABLE = 0x400
-BPF_F_RDONLY_PROG = 0x80
-BPF_PSEUDO_MAP_FD, BPF_PSEUDO_MAP_VALUE = 1, 2
+BPF_PSEUDO_MAP_FD = 1
 BPF_FS = Path("/sys/fs/bpf")
 
 _MAP_CREATE = struct.Struct("=IIIIIII16s")
@@ -90,9 +86,6 @@ class Map:
         _sys(BPF_MAP_LOOKUP_ELEM, _ELEM.pack(self.fd, 0, ctypes.addressof(k),
                                              ctypes.addressof(v), 0))
         return v.raw
-
-    def freeze(self) -> None:
-        _sys(BPF_MAP_FREEZE, struct.pack("=I", self.fd))
 
     def pin(self, path: Path) -> None:
         p = ctypes.create_string_buffer(str(path).encode())
@@ -165,7 +158,7 @@ class RingBuffer:
 
 # --- ELF -----------------------------------------------------------------------------
 class ElfObject:
-    """A clang -target bpf object: program sections, their relocations, .rodata."""
+    """A clang -target bpf object: program sections and their map relocations."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -203,53 +196,25 @@ class ElfObject:
     def license(self) -> bytes:
         return self.section("license").rstrip(b"\0") + b"\0"
 
-    def rodata(self, values: dict[str, int]) -> bytes:
-        """.rodata with the named 32-bit constants set."""
-        ro = bytearray(self.section(".rodata"))
-        ro_index = self.by_name[".rodata"]
-        for sym in self.symbols:
-            if sym["shndx"] == ro_index and sym["name"] in values:
-                struct.pack_into("=I", ro, sym["value"], values[sym["name"]])
-        return bytes(ro)
-
-    def load(self, section: str, maps: dict[str, int], rodata: dict[str, int],
-             name: str) -> int:
-        """Program `section` with its map references bound to the fds in `maps` and
-        its read-only data set from `rodata`; returns the program's fd."""
+    def load(self, section: str, maps: dict[str, int], name: str) -> int:
+        """Program `section` with its map references bound to the fds in `maps`;
+        returns the program's fd."""
         insns = bytearray(self.section(section))
         rel_index = self.by_name.get(".rel" + section)
         rel = self.sections[rel_index] if rel_index is not None else {"size": 0, "off": 0}
-        ro_map = None
-        ro_index = self.by_name.get(".rodata")
-        try:
-            for i in range(rel["size"] // 16):
-                off, info = struct.unpack_from("=QQ", self.data, rel["off"] + i * 16)
-                sym = self.symbols[info >> 32]
-                op, regs, o, imm = _INSN.unpack_from(insns, off)
-                if op != BPF_LD_IMM64:
-                    raise BpfError(errno.EINVAL, f"{self.path}: relocation at {off} of "
-                                                 f"{section} is not a 64-bit load")
-                if sym["shndx"] == ro_index:
-                    if ro_map is None:
-                        ro = self.rodata(rodata)
-                        ro_map = Map.create(BPF_MAP_TYPE_ARRAY, 4, len(ro), 1,
-                                            flags=BPF_F_RDONLY_PROG, name="fl_rodata")
-                        ro_map.update(struct.pack("=I", 0), ro)
-                        ro_map.freeze()
-                    _INSN.pack_into(insns, off, op, (regs & 0x0F) | BPF_PSEUDO_MAP_VALUE << 4,
-                                    o, ro_map.fd)
-                    nop, nregs, no, nimm = _INSN.unpack_from(insns, off + 8)
-                    _INSN.pack_into(insns, off + 8, nop, nregs, no, nimm + sym["value"] + imm)
-                elif sym["name"] in maps:
-                    _INSN.pack_into(insns, off, op, (regs & 0x0F) | BPF_PSEUDO_MAP_FD << 4, o,
-                                    maps[sym["name"]])
-                else:
-                    raise BpfError(errno.EINVAL, f"{self.path}: {section} refers to "
-                                                 f"{sym['name']!r}, which the loader lacks")
-            return _prog_load(bytes(insns), self.license(), name)
-        finally:
-            if ro_map is not None:    # the program holds its own reference
-                ro_map.close()
+        for i in range(rel["size"] // 16):
+            off, info = struct.unpack_from("=QQ", self.data, rel["off"] + i * 16)
+            sym = self.symbols[info >> 32]
+            op, regs, o, imm = _INSN.unpack_from(insns, off)
+            if op != BPF_LD_IMM64:
+                raise BpfError(errno.EINVAL, f"{self.path}: relocation at {off} of "
+                                             f"{section} is not a 64-bit load")
+            if sym["name"] not in maps:     # e.g. .rodata: the lab's programs keep none
+                raise BpfError(errno.EINVAL, f"{self.path}: {section} refers to "
+                                             f"{sym['name']!r}, which the loader lacks")
+            _INSN.pack_into(insns, off, op, (regs & 0x0F) | BPF_PSEUDO_MAP_FD << 4, o,
+                            maps[sym["name"]])
+        return _prog_load(bytes(insns), self.license(), name)
 
 
 def _prog_load(insns: bytes, license: bytes, name: str) -> int:

@@ -56,9 +56,11 @@ char origins[4] SEC("maps");    /* LRU hash: origin_key -> origin */
 char sends[4] SEC("maps");      /* ring of send_request, read by lab/kernel/pfc_sender.c */
 char history[4] SEC("maps");    /* array of struct history: telemetry's looks per queue */
 
-volatile const __u32 port_slot = NO_SLOT;   /* this link end's own port */
-volatile const __u32 peer_slot = NO_SLOT;   /* the port at the other end (ingress) */
-volatile const __u32 switch_port = 0;       /* 1: a switch's MAC, which consumes pauses */
+/* The link end this program runs on (its filter's classid: see above) */
+static __always_inline __u32 own_slot(struct __sk_buff *skb)
+{
+	return skb->tc_classid;
+}
 
 static __always_inline struct port *port_at(__u32 slot)
 {
@@ -390,7 +392,7 @@ static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p
 		__sync_fetch_and_add(&q->unattributed, 1);
 		return;
 	}
-	o->queue = port_slot;
+	o->queue = own_slot(skb);
 	o->len = len;
 	o->prio = prio;
 	h = &in->q[prio];
@@ -399,7 +401,7 @@ static __always_inline void charge_ingress(struct __sk_buff *skb, struct port *p
 	threshold = xoff_threshold(&p->cfg[prio], backlog);
 	if (held >= threshold && __sync_val_compare_and_swap(&h->xoff, 0, 1) == 0) {
 		__sync_fetch_and_add(&h->xoff_signals, 1);
-		notify(EV_XOFF, o->ingress, prio, held, port_slot, threshold,
+		notify(EV_XOFF, o->ingress, prio, held, own_slot(skb), threshold,
 		       carry_out(skb, in, o->ingress, prio, 1, 1));
 	}
 }
@@ -416,7 +418,7 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 	if (!origin_key(skb, &k))
 		return;
 	o = bpf_map_lookup_elem(&origins, &k);
-	if (o && o->queue == peer_slot && peer) {
+	if (o && peer && o->queue == own->peer_slot) {
 		struct port *in = port_at(o->ingress);
 		int prio = o->prio & (PRIOS - 1);
 
@@ -432,22 +434,22 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 				__sync_fetch_and_add(&h->xon_signals, 1);
 				/* sent here only from the switch's side: a host's end
 				 * lives in another namespace than the switch's ports */
-				notify(EV_XON, o->ingress, prio, held, peer_slot, threshold,
-				       carry_out(skb, in, o->ingress, prio, 0, switch_port));
+				notify(EV_XON, o->ingress, prio, held, own->peer_slot, threshold,
+				       carry_out(skb, in, o->ingress, prio, 0, own->switch_port));
 			}
 		}
 		o->queue = NO_SLOT;
 	}
-	if (!switch_port) {         /* delivered to a host: its journey ends */
+	if (!own->switch_port) {    /* delivered to a host: its journey ends */
 		if (o)
 			bpf_map_delete_elem(&origins, &k);
 		return;
 	}
 	if (o) {
-		o->ingress = port_slot;
+		o->ingress = own_slot(skb);
 		o->queue = NO_SLOT;
 	} else {
-		struct origin fresh = {.ingress = port_slot, .queue = NO_SLOT};
+		struct origin fresh = {.ingress = own_slot(skb), .queue = NO_SLOT};
 
 		bpf_map_update_elem(&origins, &k, &fresh, BPF_ANY);
 	}
@@ -494,7 +496,7 @@ static __always_inline int trim(struct __sk_buff *skb, struct iphdr *ip, __u32 d
 SEC("tc/egress")
 int port_egress(struct __sk_buff *skb)
 {
-	struct port *p = port_at(port_slot);
+	struct port *p = port_at(own_slot(skb));
 	struct prio_state *q;
 	struct iphdr *ip;
 	__u64 backlog, len = skb->len, now;
@@ -552,20 +554,22 @@ int port_egress(struct __sk_buff *skb)
 SEC("tc/ingress")
 int port_ingress(struct __sk_buff *skb)
 {
-	struct port *peer = port_at(peer_slot), *own;
+	struct port *own = port_at(own_slot(skb)), *peer;
 	struct prio_state *q;
 	struct iphdr *ip;
 	int prio;
 
+	if (!own)
+		return TC_ACT_OK;
 	if (skb->protocol == bpf_htons(MAC_CONTROL)) {
-		struct port *p = port_at(port_slot);
+		struct port *p = own;
 		struct mac_control mc;
 		struct event *e;
 		__u16 enable;
 		__u64 now;
 		int i;
 
-		if (!p || !mac_control(skb, &mc))
+		if (!mac_control(skb, &mc))
 			return TC_ACT_OK;
 		now = bpf_ktime_get_ns();
 		count_mac_control(p, &mc, 0, now);
@@ -575,13 +579,13 @@ int port_ingress(struct __sk_buff *skb)
 			if (p->cfg[i].nic_honours)
 				enable &= ~(1 << i);
 		if (!enable)
-			return switch_port ? TC_ACT_SHOT : TC_ACT_OK;
+			return p->switch_port ? TC_ACT_SHOT : TC_ACT_OK;
 		e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 		if (!e)
 			return TC_ACT_OK;
 		e->t_ns = now;
 		e->kind = EV_PAUSE_RX;
-		e->slot = port_slot;
+		e->slot = own_slot(skb);
 		e->prio = 0;
 		e->value = enable;
 		for (i = 0; i < PRIOS; i++)
@@ -594,11 +598,9 @@ int port_ingress(struct __sk_buff *skb)
 		/* a switch's MAC acts on a pause frame and forwards it nowhere (a capture on
 		 * the port still shows it: taps see frames before this hook); a GPU host's
 		 * transport reads it too, as its NIC's driver would report it */
-		return switch_port ? TC_ACT_SHOT : TC_ACT_OK;
+		return p->switch_port ? TC_ACT_SHOT : TC_ACT_OK;
 	}
-	own = port_at(port_slot);
-	if (!own)
-		return TC_ACT_OK;
+	peer = port_at(own->peer_slot);
 	/* what enters the switch: frames lost inside it show against this */
 	prio = classify(skb, own, &ip) & (PRIOS - 1);
 	q = &own->q[prio];

@@ -90,6 +90,8 @@ struct port {
 	__u16 pause_quanta;     /* an XOFF's pause time */
 	__u32 history;          /* a switch port's first entry in `history` (NO_SLOT: none) */
 	__u32 look_ns;          /* telemetry's period (0: no history kept) */
+	__u32 peer_slot;        /* the switch port at the link's other end (NO_SLOT: a host's) */
+	__u32 switch_port;      /* 1: a switch's port, whose MAC consumes pauses */
 	struct prio_cfg cfg[PRIOS];
 	struct prio_state q[PRIOS];
 };
@@ -125,7 +127,7 @@ struct origin {
 	__u32 prio;
 };
 
-_Static_assert(sizeof(struct port) == 2096, "lab/kernel/dataplane.py's PORT_BYTES");
+_Static_assert(sizeof(struct port) == 2104, "lab/kernel/dataplane.py's PORT_BYTES");
 _Static_assert(sizeof(struct event) == 56, "lab/kernel/dataplane.py's EVENT");
 _Static_assert(sizeof(struct origin_key) == 36, "lab/kernel/dataplane.py's ORIGIN_KEY_BYTES");
 _Static_assert(sizeof(struct origin) == 16, "lab/kernel/dataplane.py's ORIGIN_BYTES");

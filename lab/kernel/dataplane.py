@@ -69,10 +69,10 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, ifindex, dscp, mac,
-# pause_quanta, history, look_ns
-_HEAD = struct.Struct("=8I64s6sHII")
+# pause_quanta, history, look_ns, peer_slot, switch_port
+_HEAD = struct.Struct("=8I64s6sHIIII")
 HEAD_QUANTUM, HEAD_IFINDEX, HEAD_DSCP, HEAD_MAC, HEAD_PAUSE_QUANTA = 6, 7, 8, 9, 10
-HEAD_HISTORY, HEAD_LOOK_NS = 11, 12
+HEAD_HISTORY, HEAD_LOOK_NS, HEAD_PEER, HEAD_SWITCH = 11, 12, 13, 14
 # limit, xoff, xon, nic_honours, headroom, alpha_q8, trim_bytes, trim_dscp
 _CFG = struct.Struct("=8I")
 CFG_FIELDS = ("limit", "xoff", "xon", "nic", "headroom", "alpha_q8", "trim_bytes", "trim_dscp")
@@ -145,7 +145,7 @@ def probe() -> str | None:
                 os.close(obj.load(section, {"ports": ports.fd, "events": events.fd,
                                             "origins": origins.fd, "sends": sends.fd,
                                             "history": history.fd},
-                                  {"port_slot": 0}, name="fl_probe"))
+                                  name="fl_probe"))
             build_sender()
         finally:
             for m in (ports, events, origins, sends, history):
@@ -278,6 +278,11 @@ class PortTable:
         """A switch port's device (its ifindex in the namespace of the switch's ports)
         and MAC: its programs send its PFC frames themselves (without: user space)."""
         self._head(slot, {HEAD_IFINDEX: ifindex, HEAD_MAC: bytes.fromhex(mac.replace(":", ""))})
+
+    def set_role(self, slot: int, peer_slot: int, switch_port: bool) -> None:
+        """Which the port is: a switch's or a host's, and the switch port at its link's
+        other end (NO_SLOT: a host's end, which keeps no queue the programs count)."""
+        self._head(slot, {HEAD_PEER: peer_slot, HEAD_SWITCH: int(switch_port)})
 
     def set_history(self, slot: int, index: int, look_ns: int = 0) -> None:
         """Where the port's programs keep telemetry's looks at its queues (`index`: its
@@ -495,7 +500,9 @@ class Dataplane:
         rate = {(end, port): ln.rate_mbps for ln in fabric.links
                 for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
         dpid = {sw.name: sw.dpid for sw in fabric.switches}
+        peer = peers(fabric)
         for i, s in enumerate(all_slots):
+            dp.table.set_role(i, peer[i] if all_slots[peer[i]].switch else NO_SLOT, s.switch)
             dp.table.set_link(i, rate[(s.node, s.port)])
             dp.table.set_history(i, entries[i] // PRIOS if s.switch else NO_SLOT)
             if s.switch:
@@ -530,62 +537,77 @@ class Dataplane:
                         self.sender.pid, died)
         self.sender = None
 
+    def _load(self, obj: bpf.ElfObject) -> dict[str, int]:
+        """The two programs, loaded once: every port's attachment shares them."""
+        maps = {"ports": self.table.map.fd, "events": self.events.fd,
+                "origins": self.origins.fd, "sends": self.sends.fd,
+                "history": self.history.fd}
+        progs: dict[str, int] = {}
+        try:
+            for section in ("tc/ingress", "tc/egress"):
+                progs[section] = obj.load(section, maps, name=f"fl_{section[3:]}")
+        except BaseException:
+            for fd in progs.values():
+                os.close(fd)
+            raise
+        return progs
+
     def _attach_programs(self, obj: bpf.ElfObject, host_pids: dict[str, int]) -> None:
+        progs = self._load(obj)
         root = tcnl.Netlink()
         per_ns: dict[str, tcnl.Netlink] = {}
         try:
             for i, s in enumerate(self.slots):
                 if s.switch:
-                    self._attach(obj, i, root, socket.if_nametoindex(s.intf))
+                    self._attach(progs, i, root, socket.if_nametoindex(s.intf))
                     continue
                 pid = host_pids[s.node]
                 if s.node not in per_ns:
                     per_ns[s.node] = tcnl.Netlink(netns.socket_in_netns(
                         pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK))
-                self._attach(obj, i, per_ns[s.node], netns.ifindex_in_netns(pid, s.intf))
+                self._attach(progs, i, per_ns[s.node], netns.ifindex_in_netns(pid, s.intf))
         finally:
             root.close()
             for nl in per_ns.values():
                 nl.close()
-
-    def _attach(self, obj: bpf.ElfObject, slot: int, nl: tcnl.Netlink, ifindex: int) -> None:
-        """A link end's programs: ingress everywhere, egress on a switch port."""
-        s, other = self.slots[slot], peers(self.fabric)[slot]
-        maps = {"ports": self.table.map.fd, "events": self.events.fd,
-                "origins": self.origins.fd, "sends": self.sends.fd,
-                "history": self.history.fd}
-        nl.add_clsact(ifindex)
-        progs = [("tc/ingress", tcnl.CLSACT_INGRESS,
-                  {"port_slot": slot, "switch_port": int(s.switch),
-                   "peer_slot": other if self.slots[other].switch else NO_SLOT})]
-        if s.switch:
-            progs.append(("tc/egress", tcnl.CLSACT_EGRESS, {"port_slot": slot}))
-        for section, hook, consts in progs:
-            fd = obj.load(section, maps, consts, name=f"fl_{section[3:]}")
-            try:
-                nl.attach_bpf(ifindex, hook, fd, f"{NAME_PREFIX}{section[3:]}")
-            finally:
+            for fd in progs.values():     # the attachments hold the programs
                 os.close(fd)
+
+    def _attach(self, progs: dict[str, int], slot: int, nl: tcnl.Netlink,
+                ifindex: int) -> None:
+        """A link end's programs: ingress everywhere, egress on a switch port; the
+        filter's classid tells them the slot."""
+        nl.add_clsact(ifindex)
+        hooks = [("tc/ingress", tcnl.CLSACT_INGRESS)]
+        if self.slots[slot].switch:
+            hooks.append(("tc/egress", tcnl.CLSACT_EGRESS))
+        for section, hook in hooks:
+            nl.attach_bpf(ifindex, hook, progs[section], f"{NAME_PREFIX}{section[3:]}",
+                          classid=slot)
 
     def reattach_host(self, host: str, pid: int | None) -> None:
         """A GPU host's NIC moved to another namespace (pid's; None: the root one, as
         Soft-RoCE needs): the move shut its qdiscs down, programs included, and the
         switch port feeding it would count what it sends as never leaving."""
-        obj = bpf.ElfObject(build())
-        for i, s in enumerate(self.slots):
-            if s.node != host:
-                continue
-            if pid is None:
-                nl, ifindex = tcnl.Netlink(), socket.if_nametoindex(s.intf)
-            else:
-                nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW,
-                                                        tcnl.NETLINK_ROUTE,
-                                                        family=socket.AF_NETLINK))
-                ifindex = netns.ifindex_in_netns(pid, s.intf)
-            try:
-                self._attach(obj, i, nl, ifindex)
-            finally:
-                nl.close()
+        progs = self._load(bpf.ElfObject(build()))
+        try:
+            for i, s in enumerate(self.slots):
+                if s.node != host:
+                    continue
+                if pid is None:
+                    nl, ifindex = tcnl.Netlink(), socket.if_nametoindex(s.intf)
+                else:
+                    nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW,
+                                                            tcnl.NETLINK_ROUTE,
+                                                            family=socket.AF_NETLINK))
+                    ifindex = netns.ifindex_in_netns(pid, s.intf)
+                try:
+                    self._attach(progs, i, nl, ifindex)
+                finally:
+                    nl.close()
+        finally:
+            for fd in progs.values():
+                os.close(fd)
 
     def counters(self, node: str, port: int, prio: int) -> dict[str, int]:
         return self.table.counters(self.slot_of[(node, port)], prio)

@@ -56,6 +56,16 @@ def interfaces() -> set[str]:
     return {line.strip().strip('"') for line in r.stdout.splitlines() if line.strip()}
 
 
+def delete_bridges(names: list[str]) -> None:
+    """Every bridge in `names` (those that exist), in one ovs-vsctl transaction: one
+    at a time, OVS reconfigures every remaining port for each."""
+    if names:
+        args = ["ovs-vsctl", "--timeout=60"]
+        for name in names:
+            args += ["--", "--if-exists", "del-br", name]
+        subprocess.run(args, capture_output=True, timeout=90)
+
+
 def datapath_lost_packets() -> int:
     """Packets OVS's datapaths lost on flow-table misses (the upcall to ovs-vswitchd
     failed: its queue was full), summed over the machine's datapaths. No queue counts

@@ -42,11 +42,11 @@ def probe(pairs: list[tuple[str, str, str]], host_pids: dict[str, int],
           max_tries: int | None = None) -> list[PairResult]:
     """pairs: (src host, dst host, dst ip). Returns one result per pair. `tries` rounds
     for the pairs still unanswered, and more, up to `max_tries` (None: none more), while
-    a round still gains answers: for reachability, where a fabric's first contacts wait
-    on ARP, which the controller answers, and on a slow machine (the lab VM's software
-    CPU: 64 hosts of two 32-host leaves, 2985-3138 of 4032 pairs after 3 rounds, every
-    pair on the next measure) a host gives up on a neighbour before the answer comes. A
-    loss measurement wants its rounds exact (max_tries None)."""
+    a round still gains answers: for reachability, where every probe is a first contact,
+    set up by each switch's slow path, which drops what it cannot keep up with (the lab
+    VM's software CPU: 64 hosts of two 32-host leaves, 2985-3138 of 4032 pairs after 3
+    rounds, every pair on the next measure). A loss measurement wants its rounds exact
+    (max_tries None)."""
     names = sorted({p[0] for p in pairs})
     socks = {n: socket_in_netns(host_pids[n], socket.SOCK_RAW, socket.IPPROTO_ICMP)
              for n in names}

@@ -24,7 +24,7 @@ TCA_TBF_PARMS, TCA_TBF_BURST = 1, 6
 TC_LINKLAYER_ETHERNET = 1
 TC_H_CLSACT = 0xFFFFFFF1
 CLSACT_INGRESS, CLSACT_EGRESS = 0xFFFFFFF2, 0xFFFFFFF3
-TCA_BPF_FD, TCA_BPF_NAME, TCA_BPF_FLAGS = 6, 7, 8
+TCA_BPF_CLASSID, TCA_BPF_FD, TCA_BPF_NAME, TCA_BPF_FLAGS = 3, 6, 7, 8
 TCA_BPF_FLAG_ACT_DIRECT = 1
 ETH_P_ALL = 0x0003
 
@@ -166,10 +166,13 @@ class Netlink:
         except FileExistsError:
             pass
 
-    def attach_bpf(self, ifindex: int, hook: int, prog_fd: int, name: str) -> None:
+    def attach_bpf(self, ifindex: int, hook: int, prog_fd: int, name: str,
+                   classid: int = 0) -> None:
         """A direct-action tc BPF program on a clsact hook (CLSACT_INGRESS/_EGRESS), for
-        every protocol, as `tc filter add dev X egress bpf da ...` does."""
-        options = (_attr(TCA_BPF_FD, struct.pack("=I", prog_fd))
+        every protocol, as `tc filter add dev X egress bpf da classid C ...` does: the
+        program reads `classid` as skb->tc_classid (one program, many attachments)."""
+        options = (_attr(TCA_BPF_CLASSID, struct.pack("=I", classid))
+                   + _attr(TCA_BPF_FD, struct.pack("=I", prog_fd))
                    + _attr(TCA_BPF_NAME, name.encode() + b"\0")
                    + _attr(TCA_BPF_FLAGS, struct.pack("=I", TCA_BPF_FLAG_ACT_DIRECT)))
         info = (1 << 16) | socket.htons(ETH_P_ALL)     # filter priority 1, every protocol

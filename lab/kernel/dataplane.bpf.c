@@ -35,8 +35,12 @@
  * packet), not a sample. What leaves unseen (a queue flushed when its link goes
  * down) user space finds against the kernel's own backlog and writes off
  * (out_adjust). Events go to user space through a ring buffer; the
- * counters sit in one array, mapped into user space. Each program instance is
- * told its port's slot through read-only data (the loader fills it in).
+ * counters sit in one array, mapped into user space. Each program is loaded once
+ * and attached to every port; an attachment's tc filter carries the port's slot as
+ * its classid, which cls_bpf hands the program in skb->tc_classid (the peer's slot
+ * and whether the port is a switch's come from the slot's entry). Loaded per port
+ * instead (the slot as read-only data), the verifier ran 5,120 times for a
+ * 1024-host fabric: 51 s of its build.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>

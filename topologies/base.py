@@ -133,7 +133,10 @@ class FabricTopo(Topo):
         self.fabric.hosts.append(Host(name=name, interfaces=[intf],
                                       gateway=subnet.gateway_ip, rack=rack))
         self._next_port[name] = 0
-        self._link(name, switch, rate_mbps, "host")
+        # the port gets its MAC as it is made and its address as it is configured, like
+        # every other NIC's (the host's own mac/ip above are what Mininet reports)
+        self._link(name, switch, rate_mbps, "host",
+                   addr1=intf.mac, params1={"ip": f"{intf.ip}/{intf.prefix_len}"})
         return name
 
     def add_scaleup_nic(self, host: str, subnet: Subnet, switch: str, rate_mbps: float) -> None:

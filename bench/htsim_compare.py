@@ -62,14 +62,14 @@ from traffic.roce import WRITE_OVERHEAD_BYTES  # noqa: E402
 
 # --- what the bench compares (edit here when the experiments change) ---------------------
 CASES = ("incast", "ecmp")
-# experiment -> the --set settings of its lab run: every incast flow 1200 KB (the UET
-# variants have their own size, `uet_flow_kb`)
+# experiment -> the --set settings of its lab run: every incast flow 1200 KB (the PFC and
+# UET variants have sizes of their own, `pfc_flow_kb` and `uet_flow_kb`)
 LAB_RUNS = {
-    "incast": ["variants=pfc,rccc", "uet_flow_kb=1200"],
+    "incast": ["variants=pfc,rccc", "pfc_flow_kb=1200", "uet_flow_kb=1200"],
     "trimming": ["flow_kb=1200", "variants=trim"],
     "ecmp-vs-spray": [],
 }
-# the incast's variants whose flows are uet_flow_kb (the others flow_kb)
+# the incast's variants whose flows are uet_flow_kb (its pfc variant's: pfc_flow_kb)
 INCAST_UET_VARIANTS = ("rccc",)
 # ecmp-vs-spray's variants (its metrics.json keys): pinned by ECMP (RC lossy, RC+PFC; a name
 # missing from a run is shown as such) and sprayed, with the number of path values htsim
@@ -192,7 +192,7 @@ def lab_run_dir(lab_results: Path | None, experiment: str) -> Path | None:
 def case_input(experiment: str, run: Path | None, uet: bool = False) -> CaseInput:
     """The fabric (the run's fabric.json, else build_topo with the experiment's
     TOPOLOGY_DEFAULTS and the bench's settings) and the flows of `experiment` (`uet`: the
-    incast's UET variants, whose flows are uet_flow_kb)."""
+    incast's UET variants, whose flows are uet_flow_kb; its pfc variant's are pfc_flow_kb)."""
     mod = {"incast": incast, "trimming": trimming, "ecmp-vs-spray": ecmp_vs_spray}[experiment]
     settings = dict(s.split("=", 1) for s in LAB_RUNS[experiment])
     if run is not None:
@@ -214,7 +214,8 @@ def case_input(experiment: str, run: Path | None, uet: bool = False) -> CaseInpu
         plan = ecmp_vs_spray.flows(SimpleNamespace(fabric=fabric, params=p))
         flows = [htsim.Flow(s, d, n) for s, d, n in plan]
     else:       # incast and trimming: hosts[0] receives from the next `senders`
-        size_kb = params["uet_flow_kb"] if uet else params["flow_kb"]
+        size_kb = params["uet_flow_kb" if uet else
+                         "pfc_flow_kb" if experiment == "incast" else "flow_kb"]
         senders, size = int(params["senders"]), int(size_kb) * 1024
         flows = [htsim.Flow(s, hosts[0], size) for s in hosts[1:senders + 1]]
     return CaseInput(experiment, fabric, flows, buffer_kb * 1024, source)

@@ -16,6 +16,7 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     incast = runner.load("incast")
     p, t, _ = runner.split_settings(incast, ["senders=4"], machine_factor=0.2)
     assert (p.senders, p.flow_kb) == (4, 1200)   # DCQCN converges in packets: no shrinking
+    assert (p.pfc_flow_kb, p.uet_flow_kb) == (300, 75)   # no fairness claimed: x0.25, the floor
     assert (t.host_rate_mbps, t.fabric_rate_mbps, t.rate_scale) == (2.0, 2.0, 50000)
     spreading = runner.load("pfc-spreading")
     p, _, _ = runner.split_settings(spreading, ["victim_kb=100"], machine_factor=0.2)

@@ -675,7 +675,7 @@ def test_the_same_apps_run_on_ryu(tmp_path):
     out = tmp_path / "incast-ryu"
     r = fabriclab("run", "incast", "--controller-runtime", "ryu", "--set", "variants=ecn,pfc",
                   "--set", "senders=4", "--set", "hosts_per_leaf=5", "--set", "flow_kb=100",
-                  "--out", str(out), timeout=400)
+                  "--set", "pfc_flow_kb=100", "--out", str(out), timeout=400)
     m = json.loads((out / "metrics.json").read_text())
     assert json.loads((out / "config.json").read_text())["controller_runtime"] == "ryu"
     ecn, pfc = m["metrics"]["ecn"], m["metrics"]["pfc"]

@@ -57,8 +57,10 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # flow_kb does not shrink on a slow machine (lab/fabric/calibrate.py): DCQCN's constants stretch
 # with the packet time, so convergence takes a number of packets, not of seconds (at
 # x0.10 rates with flows x0.25, the senders ended 26-30% off the fair share, as 300 KB
-# flows do at full rate); the run takes longer instead. NSCC and RCCC need no such time.
-SCALED_SIZES = ("uet_flow_kb",)
+# flows do at full rate); the run takes longer instead. The PFC variants claim no
+# fairness, only that nothing is lost, and NSCC and RCCC need no such time: their flows
+# shrink (in the lab VM's software CPU at x0.20, 1200 KB took 30 s per PFC variant).
+SCALED_SIZES = ("pfc_flow_kb", "uet_flow_kb")
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Params:
     senders: int = 8
     flow_kb: int = 1200         # per sender: ~8 s at the fair share of a 10 Mb/s port (at
     # 600 KB, 1 run in 18 had a sender 23% off the fair share: DCQCN converges slowly)
+    pfc_flow_kb: int = 1200     # per sender in the pfc and ecn+pfc variants
     uet_flow_kb: int = 300      # per sender in the nscc/rccc variants: they need no long
     # convergence (RCCC shares from its first grants, NSCC settles within a few round
     # trips), so they run shorter, and shrink on a slow machine
@@ -92,11 +95,13 @@ class Params:
         if self.ecn not in ("auto", "red", "bpf", "controller"):
             raise UsageError("ecn must be auto, red, bpf or controller "
                              "(the 'none' variant is 'off')")
-        if self.senders < 2 or self.flow_kb <= 0 or self.uet_flow_kb <= 0:
-            raise UsageError("need senders >= 2, flow_kb > 0 and uet_flow_kb > 0")
+        if self.senders < 2 or min(self.flow_kb, self.pfc_flow_kb, self.uet_flow_kb) <= 0:
+            raise UsageError("need senders >= 2, and flow_kb, pfc_flow_kb and uet_flow_kb > 0")
 
     def flow_bytes(self, variant: str) -> int:
-        return (self.uet_flow_kb if variant in UET_VARIANTS else self.flow_kb) * 1024
+        if variant in UET_VARIANTS:
+            return self.uet_flow_kb * 1024
+        return (self.pfc_flow_kb if "pfc" in variant else self.flow_kb) * 1024
 
     @property
     def variant_list(self) -> list[str]:
@@ -315,7 +320,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
 def run(ctx: RunContext) -> dict:
     p = ctx.params
     receiver, senders = choose_hosts(ctx)
-    out = {"receiver": receiver, "senders": senders, "flow_bytes": p.flow_kb * 1024}
+    out = {"receiver": receiver, "senders": senders}     # each variant's flow_bytes: its own
     with GpuAgents(ctx.net, hosts=[receiver, *senders]) as gpus:
         if any("nscc" in v for v in p.variant_list):   # before any variant loads the fabric
             out["nscc_base_rtt_ms"] = idle_rtt_ms(gpus, senders[0], receiver)

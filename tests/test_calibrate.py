@@ -55,17 +55,19 @@ def test_the_search_refines_between_the_sweeps_steps():
             return rate <= limit
         return tried, keeps_up_at
     tried, at = machine(8.0)
-    assert calibrate.search((5, 10, 20), at) == 7.1 and tried == [5, 10, 7.1]
+    assert calibrate.search((5, 10, 20), at) == 7.1 and tried == [5, 10, 7.1, 8.4]
     tried, at = machine(6.0)
-    assert calibrate.search((5, 10, 20), at) == 5 and tried == [5, 10, 7.1]
+    assert calibrate.search((5, 10, 20), at) == 6.0 and tried == [5, 10, 7.1, 6.0]
     tried, at = machine(100.0)
     assert calibrate.search((5, 10, 20), at) == 20 and tried == [5, 10, 20]   # all keep up
     tried, at = machine(3.0)           # below the first rate: halving, then between
-    assert calibrate.search((5, 10), at) == 2.5 and tried == [5, 2.5, 3.5]
+    assert calibrate.search((5, 10), at) == 3.0 and tried == [5, 2.5, 3.5, 3.0]
     tried, at = machine(2.0)
-    assert calibrate.search((5, 10), at) == 1.8 and tried == [5, 2.5, 1.25, 1.8]
+    assert calibrate.search((5, 10), at) == 1.8 and tried == [5, 2.5, 1.25, 1.8, 2.1]
     tried, at = machine(0.5)
     assert calibrate.search((5, 10), at) == 0.0 and tried == [5, 2.5, 1.25]   # none
+    tried, at = machine(13.0)          # a software CPU's 10-14.1 Mb/s: within ~20% of it
+    assert calibrate.search((5, 10, 20), at) == 11.9 and tried == [5, 10, 20, 14.1, 11.9]
 
 
 def test_calibration_goodput_is_the_steady_rate():

@@ -38,6 +38,7 @@ REFERENCE_KEEP_UP_MBPS = 50.0      # this machine keeps up with 100 (bench/trans
 SWEEP_MBPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
 FLOW_SECONDS = 1.0
 SIZE_FACTOR_FLOOR = 0.25           # messages shrink no further: a few packets say little
+REFINE_STEPS = 2                   # between the sweep's last rate kept and first missed
 MIN_FACTOR = 0.05                  # a machine that keeps up with nothing tried: rates / 20
 
 
@@ -104,10 +105,13 @@ def keeps_up(rate_mbps: float, r: dict) -> bool:
 
 def search(rates: tuple[float, ...], keeps_up_at) -> float:
     """The highest rate at which `keeps_up_at(rate)`: up the sweep until a rate falls
-    behind (if the first does, halving below it, down to a quarter of it), then once
-    between that rate and the last that kept up (their geometric mean, to a tenth of a
-    Mb/s). The sweep's steps are 2-2.5x apart: a machine between two of them would
-    otherwise run every experiment up to that much slower than it can."""
+    behind (if the first does, halving below it, down to a quarter of it), then
+    REFINE_STEPS times between that rate and the last that kept up (their geometric
+    mean, to a tenth of a Mb/s). The sweep's steps are 2-2.5x apart: a machine between
+    two of them would otherwise run every experiment up to that much slower than it
+    can; and one step between them left a software CPU's calibration at 10 or 14.1
+    Mb/s from run to run (its sender at 86-91% of a CPU at 14.1), two leave it within
+    ~20%."""
     best, failed = 0.0, None
     for rate in rates:
         if not keeps_up_at(rate):
@@ -121,10 +125,14 @@ def search(rates: tuple[float, ...], keeps_up_at) -> float:
             best = failed / 2
         else:
             failed /= 2
-    if best:
+    for _ in range(REFINE_STEPS if best else 0):
         mid = round((best * failed) ** 0.5, 1)
-        if best < mid < failed and keeps_up_at(mid):
+        if not best < mid < failed:
+            break
+        if keeps_up_at(mid):
             best = mid
+        else:
+            failed = mid
     return best
 
 

@@ -5,7 +5,9 @@ import pytest
 
 import wire
 from conftest import fabriclab
-from topologies.fabric import Fabric
+from lab.experiments import plane_failure
+from topologies.fabric import Fabric, interface_name
+from topologies.registry import build_topo
 from traffic.constants import Opcode
 
 
@@ -244,6 +246,33 @@ def test_kv_cache_latency_in_the_express_class(tmp_path):
     assert abs(sum(f.cnp for f in cap.frames[port] if f.dst == src)
                - sum(t["cnps"] for t in transfers)) <= slack
     assert abs(len(express) - packets - m["express"]["retransmitted_packets"]) <= slack
+
+
+def test_plane_failure_retransmissions_against_the_wire(tmp_path):
+    """The packets each transport resent in the plane failure (retransmitted_packets) are
+    the data frames that repeat a QP's PSN in captures of every GPU port on both planes,
+    each frame taken once, as its host sent it. MRC resends a packet lost with the
+    plane on the other plane, with that plane's addresses: a repeat is keyed by host."""
+    fabric = build_topo("leaf-spine", **plane_failure.TOPOLOGY_DEFAULTS["leaf-spine"]).fabric
+    ports = {interface_name(i.switch, i.port): i.mac for h in fabric.hosts for i in h.interfaces}
+    out = tmp_path / "plane"
+    r = fabriclab("run", "plane-failure", "--capture", ",".join(sorted(ports)),
+                  "--capture-mb", "40", "--out", str(out), timeout=600)
+    assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
+    result = json.loads((out / "metrics.json").read_text())
+    cap = wire.RunCaptures(out)
+    assert sorted(cap.ports) == sorted(ports)
+    slack = cap.tcpdump_dropped(sorted(ports))
+    host_of = {i.ip: h.name for h in cap.fabric.hosts for i in h.interfaces}
+    for transport in ("rc", "mrc"):
+        m = result["metrics"][transport]
+        sent = [f for port, mac in ports.items()
+                for f in cap.within([port], m["span_unix"], lambda f: f.roce_data)
+                if f.src_mac == mac]                  # host -> leaf: what the host sent
+        keys = [(host_of[f.src], host_of[f.dst], f.qp, f.psn) for f in sent]
+        resent = len(keys) - len(set(keys))
+        assert abs(resent - m["retransmitted_packets"]) <= slack, (transport, resent, m)
+        assert m["retransmitted_packets"] > 0, transport   # the failure lost packets of both
 
 
 def test_plane_failure_at_the_defaults_and_the_planes_bytes_against_the_wire(tmp_path):

@@ -162,8 +162,8 @@ class FabricNetwork:
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
                          protocols="OpenFlow15", failMode="secure", batch=True)
         controller = partial(LabController, ip="127.0.0.1", port=self.controller.port)
-        self.mininet = Mininet(topo=self.topo, host=FabricHost, switch=switch, controller=controller,
-                               link=Link, intf=FabricIntf, autoSetMacs=False,
+        self.mininet = Mininet(topo=self.topo, host=FabricHost, switch=switch,
+                               controller=controller, link=Link, intf=FabricIntf, autoSetMacs=False,
                                autoStaticArp=False, build=False, waitConnected=False)
         self.mininet.build()
         self.timings["namespaces_links_s"] = time.monotonic() - t0    # Mininet: hosts, veths, bridges

@@ -59,7 +59,7 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # x0.10 rates with flows x0.25, the senders ended 26-30% off the fair share, as 300 KB
 # flows do at full rate); the run takes longer instead. The PFC variants claim no
 # fairness, only that nothing is lost, and NSCC and RCCC need no such time: their flows
-# shrink (in the lab VM's software CPU at x0.20, 1200 KB took 30 s per PFC variant).
+# shrink (in the lab VM's software CPU at x0.20, 1200 KB took 42 s per PFC variant).
 SCALED_SIZES = ("pfc_flow_kb", "uet_flow_kb")
 
 

@@ -83,8 +83,8 @@ class FabricIntf(Intf):
 
 
 class FabricHost(Host):
-    """A GPU host: its one port already has its MAC and address (FabricIntf); what is
-    left, the loopback and the default route, in one process."""
+    """A GPU host: its ports already have their MACs and addresses (FabricIntf); what
+    is left, the loopback and the default route, in one process."""
 
     def config(self, mac=None, ip=None, defaultRoute=None, lo="up", **_params):
         intf = self.defaultIntf()

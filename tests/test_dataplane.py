@@ -1,6 +1,8 @@
 """The per-packet data path (lab/kernel/dataplane.bpf.c) on one veth pair, without a fabric:
-two namespaces, a 10 Mb/s htb port like a switch's, the egress program on one end and
-the ingress program on the other, UDP at twice the port's rate. What the programs count
+two namespaces, a 2 Mb/s htb port like a switch's, the egress program on one end and
+the ingress program on the other, UDP at twice the port's rate (a slow enough port that
+a sender on a software CPU keeps twice its rate: at 10 Mb/s one did not, and no queue
+formed). What the programs count
 is held against the wire (a capture at the far end) and against the kernel's qdisc."""
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from traffic.constants import (DSCP_PRIORITY, DSCP_ROCE_DATA, DSCP_TRIMMED, PRIO
 NS_A, NS_B = "fl-dpa", "fl-dpb"
 INTF_A, INTF_B = f"{NS_A}-eth0", f"{NS_B}-eth0"
 BUFFER = 32 * 1024
+PORT_MBPS = 2
+UDP_FRAME_BYTES = 1042          # 1000 bytes of UDP payload
 KMIN, KMAX, PMAX = 2048, 16384, 0.2
 XOFF, XON = 8192, 4096
 
@@ -99,7 +103,7 @@ class Programs:
 
 
 class Pair:
-    """Two namespaces joined by a veth: A's end is a 10 Mb/s port (htb, a byte FIFO
+    """Two namespaces joined by a veth: A's end is a PORT_MBPS port (htb, a byte FIFO
     far larger than the program's buffer), B's end receives."""
 
     def __enter__(self):
@@ -110,7 +114,7 @@ class Pair:
             sh(f"ip -n {ns} link set {intf} up; ip -n {ns} addr add {ip}/24 dev {intf}")
         sh(f"ip netns exec {NS_A} tc qdisc add dev {INTF_A} root handle 1: htb default 10;"
            f"ip netns exec {NS_A} tc class add dev {INTF_A} parent 1: classid 1:10 htb "
-           f"rate 10mbit; ip netns exec {NS_A} tc qdisc add dev {INTF_A} parent 1:10 "
+           f"rate {PORT_MBPS}mbit; ip netns exec {NS_A} tc qdisc add dev {INTF_A} parent 1:10 "
            f"bfifo limit 1000000")
         # a process in each namespace: the lab reaches namespaces by PID
         self.procs = [subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
@@ -131,13 +135,17 @@ class Pair:
         subprocess.run(f"ip netns del {NS_A}; ip netns del {NS_B}", shell=True,
                        capture_output=True)
 
-    def send_udp(self, n: int, gap_s: float, tos: int) -> None:
+    def send_udp(self, n: int, tos: int) -> None:
+        """n frames at twice the port's rate, each due at its time (a late one is sent
+        at once: the rate holds where a sleep oversleeps)."""
+        gap_s = UDP_FRAME_BYTES * 8 / (2 * PORT_MBPS * 1e6)
         code = ("import socket,time\n"
                 "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
                 f"s.setsockopt(socket.IPPROTO_IP,socket.IP_TOS,{tos})\n"
+                "t0=time.monotonic()\n"
                 f"for i in range({n}):\n"
                 "    s.sendto(b'x'*1000,('10.99.0.2',4791))\n"
-                f"    time.sleep({gap_s})\n")
+                f"    time.sleep(max(0,t0+(i+1)*{gap_s}-time.monotonic()))\n")
         sh(f"ip netns exec {NS_A} python3 -c \"{code}\"")
 
 
@@ -161,13 +169,13 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     with Pair() as pair:
         t = pair.table
         t.set_ecn(0, 1 << PRIORITY_ROCE_DATA, KMIN, KMAX, PMAX, queues.red_wlog(KMIN, KMAX),
-                  int(queues.AVERAGE_PACKET_BYTES * 8e3 / 10))
+                  int(queues.AVERAGE_PACKET_BYTES * 8e3 / PORT_MBPS))
         t.set_pfc(0, PRIORITY_ROCE_DATA, XOFF, XON)
         t.set_history(0, 0, look_ns=5_000_000)     # telemetry's looks at A's queues
         cap, pcap = _capture()
         # 600 frames of 1042 bytes, ~2x the port's rate: the queue fills past Kmax and
         # the buffer, then drains once the sender stops
-        pair.send_udp(600, 0.0004, DSCP_ROCE_DATA << 2 | 0b10)          # ECT(0)
+        pair.send_udp(600, DSCP_ROCE_DATA << 2 | 0b10)          # ECT(0)
         # a PFC frame arriving at B: its port must stop priority 3 (an event at once)
         t.set_link(1, 10)       # B's link: 10 Mb/s, a pause quantum 51.2 us
         frame = pause.pfc_frame("02:fc:00:00:00:01", {PRIORITY_ROCE_DATA: 0xFFFF})
@@ -205,7 +213,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     assert b["paused_until_ns"] == rx["t_ns"] + 0xFFFF * 51200
     assert c["pfc_tx_pause"] == 1 and b["pfc_rx_pause"] == 1 and c["pfc_rx_pause"] == 0
     # telemetry's history: a look per 5 ms period in which a frame came or went (every
-    # period of the ~0.3 s burst and drain: a frame leaves every 0.83 ms), the last one
+    # period of the ~1.4 s burst and drain: a frame leaves every 4.2 ms), the last one
     # as the queue stood at the end (empty, every count final); the queue passed Kmax
     kept = sorted((lk for lk in looks if lk[0]), key=lambda lk: lk[0])
     periods = [lk[0] for lk in kept]
@@ -247,7 +255,7 @@ def test_a_full_queue_trims_roce_frames_to_their_headers_in_the_control_class():
         t.set_queues(0, DSCP_PRIORITY, limits)
         t.set_trim(0, PRIORITY_ROCE_DATA, BUFFER, DSCP_TRIMMED)
         cap, pcap = _capture()
-        pair.send_udp(600, 0.0004, DSCP_ROCE_DATA << 2 | 0b10)          # ECT(0)
+        pair.send_udp(600, DSCP_ROCE_DATA << 2 | 0b10)          # ECT(0)
         time.sleep(1.5)
         cap.terminate()
         cap.wait()

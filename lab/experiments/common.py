@@ -67,11 +67,19 @@ def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, flo
             for f in flows}
 
 
-def dataplane_drops(dp, prio: int) -> dict[str, int]:
-    """Every drop the data path counted so far: per switch queue ("SW:PORT:PRIO"), and
-    the RoCE frames each switch took in and sent nowhere ("SW:inside")."""
-    drops = {f"{s.node}:{s.port}:{p}": dp.table.counters(i, p)["drop_packets"]
-             for i, s in enumerate(dp.slots) if s.switch for p in range(8)}
+def dataplane_drops(dp, telemetry, prio: int) -> dict[str, int]:
+    """Every drop the switches made so far: per switch queue ("SW:PORT:PRIO") the data
+    path's (its program drops at the queue's bound, before the kernel's queue) plus
+    the kernel's own (a frame the program admitted that the kernel's queue refused,
+    from a dump at this instant), and the RoCE frames each switch took in and sent
+    nowhere ("SW:inside")."""
+    kernel = telemetry.kernel_counts()
+    drops = {}
+    for i, s in enumerate(dp.slots):
+        for p in range(8) if s.switch else ():
+            key = f"{s.node}:{s.port}:{p}"
+            drops[key] = dp.table.counters(i, p)["drop_packets"] + \
+                (kernel[key].drops if key in kernel else 0)
     for sw in {s.node for s in dp.slots if s.switch}:
         drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
     return drops
@@ -84,12 +92,14 @@ class SwitchDrops:
     def __init__(self, net, telemetry):
         self.dp, self.telemetry = net.dataplane, telemetry
         self.t0 = time.time()
-        self.before = dataplane_drops(self.dp, PRIORITY_ROCE_DATA) if self.dp else {}
+        self.before = dataplane_drops(self.dp, telemetry, PRIORITY_ROCE_DATA) \
+            if self.dp else {}
 
     def count(self) -> int:
         if self.dp:
             return sum(n - self.before.get(k, 0)
-                       for k, n in dataplane_drops(self.dp, PRIORITY_ROCE_DATA).items())
+                       for k, n in dataplane_drops(self.dp, self.telemetry,
+                                                    PRIORITY_ROCE_DATA).items())
         return sum(q["drops_packets"] for k, q in self.telemetry.summary(
             self.t0, time.time()).items() if k.endswith(f":{PRIORITY_ROCE_DATA}"))
 

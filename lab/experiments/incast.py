@@ -166,25 +166,28 @@ def pause_delivery_ms(evs: list[dict], flows: list[dict], port, fabric) -> dict:
             "n": len(delays)} if delays else {}
 
 
-def controller_counts(net, switch: str, port: int) -> dict:
+def controller_counts(net, telemetry, switch: str, port: int) -> dict:
     """CE marks on the bottleneck port; PFC frames the congested switch sent, pausing
     (XOFF) and resuming (XON). Read from the data path's table where it runs (exact at
-    this instant), else from the controller's state file."""
+    this instant), else from the controller's state file; kernel RED's marks (where it
+    marks instead) from the kernel at this instant."""
     prio = PRIORITY_ROCE_DATA
+    red = telemetry.kernel_counts().get(f"{switch}:{port}:{prio}")
+    red_marks = red.ce_marked if red else 0
     if net.dataplane is not None:
         dp = net.dataplane
         ports = [c for s, c in ((s, dp.counters(s.node, s.port, prio)) for s in dp.slots)
                  if s.node == switch]
         return {"xoff_frames_sent": sum(c["pfc_tx_pause"] for c in ports),
                 "xon_frames_sent": sum(c["pfc_tx_resume"] for c in ports),
-                "ce_marked_packets": dp.counters(switch, port, prio)["ce_marked"],
-                "drops": dataplane_drops(dp, prio), "t": time.time()}
+                "ce_marked_packets": dp.counters(switch, port, prio)["ce_marked"] + red_marks,
+                "drops": dataplane_drops(dp, telemetry, prio), "t": time.time()}
     per_port = read_state(net).get("counters", {})
     mine = [c.get(str(prio), {}) for key, c in per_port.items() if key.split(":")[0] == switch]
     return {"xoff_frames_sent": sum(c.get("xoff_frames_sent", 0) for c in mine),
             "xon_frames_sent": sum(c.get("xon_frames_sent", 0) for c in mine),
             "ce_marked_packets": per_port.get(f"{switch}:{port}", {}).get(str(prio), {})
-            .get("ce_marked_packets", 0), "t": time.time()}
+            .get("ce_marked_packets", 0) + red_marks, "t": time.time()}
 
 
 def headroom(net, state: dict, port, p: Params, delivery_ms: dict) -> dict:
@@ -210,7 +213,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
     mode = set_congestion(net, p.congestion(variant))
-    before = controller_counts(net, recv_if.switch, recv_if.port)
+    before = controller_counts(net, ctx.telemetry, recv_if.switch, recv_if.port)
     rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, p.dcqcn_time_scale)
     scale = rc["rate_scale"]
     limited = variant == "none"
@@ -232,7 +235,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     t1 = time.time()
     log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
     time.sleep(SETTLE_S)
-    after = controller_counts(net, recv_if.switch, recv_if.port)
+    after = controller_counts(net, ctx.telemetry, recv_if.switch, recv_if.port)
     lost = ovs.datapath_lost_packets() - lost0
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
     queues_seen = ctx.telemetry.summary(t0, t1)
@@ -256,10 +259,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     packets = len(senders) * -(-nbytes // DEFAULT_MTU_BYTES)
     ideal_s = packets * (DEFAULT_MTU_BYTES + (DATA_OVERHEAD_BYTES if uet else
                                               WRITE_OVERHEAD_BYTES)) * 8 / (recv_if.rate_mbps * 1e6)
-    # RED counts in the kernel (telemetry); the data path and the controller count
-    # each mark (the controller when a marking period ends: after the run has settled)
-    marks = q.get("ce_marked_packets", 0) if mode == "red" else \
-        after["ce_marked_packets"] - before["ce_marked_packets"]
+    # (the controller counts a marking period's marks when it ends: after the settling)
+    marks = after["ce_marked_packets"] - before["ce_marked_packets"]
     xoff = after["xoff_frames_sent"] - before["xoff_frames_sent"]
     xon = after["xon_frames_sent"] - before["xon_frames_sent"]
     state = read_state(net)

@@ -94,7 +94,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
         flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]
     prio = PRIORITY_ROCE_DATA
     dp = net.dataplane
-    drops0 = dataplane_drops(dp, prio) if dp else {}
+    drops0 = dataplane_drops(dp, ctx.telemetry, prio) if dp else {}
     before = read_state(net).get("counters", {})
     t0 = time.time()
     # every flow's bytes through the receiver's port: the victim's too, when pauses hold it
@@ -105,7 +105,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     time.sleep(SETTLE_S)
     after = read_state(net).get("counters", {})
     if dp:      # exact: every drop the data path made while counting
-        drops = {k: n - drops0[k] for k, n in dataplane_drops(dp, prio).items() if n - drops0[k]}
+        drops = {k: n - drops0[k] for k, n in dataplane_drops(dp, ctx.telemetry, prio).items()
+                 if n - drops0[k]}
     else:
         drops = {k: q["drops_packets"] for k, q in ctx.telemetry.summary(t0, t1).items()
                  if q["drops_packets"]}

@@ -87,11 +87,12 @@ def capture_plan(fabric, params: Params) -> CapturePlan:
                        "trimmed headers, NACKs and SACKs (whole RoCE data frames are left out)")
 
 
-def bottleneck_counts(dp, switch: str, port: int) -> dict:
+def bottleneck_counts(dp, telemetry, switch: str, port: int) -> dict:
     """Frames the bottleneck dropped and trimmed, and every drop in the switches."""
-    c = dp.counters(switch, port, PRIORITY_ROCE_DATA)
-    return {"drops": c["drop_packets"], "trimmed": c["trimmed"],
-            "all_drops": dataplane_drops(dp, PRIORITY_ROCE_DATA), "t": time.time()}
+    drops = dataplane_drops(dp, telemetry, PRIORITY_ROCE_DATA)
+    return {"drops": drops[f"{switch}:{port}:{PRIORITY_ROCE_DATA}"],
+            "trimmed": dp.counters(switch, port, PRIORITY_ROCE_DATA)["trimmed"],
+            "all_drops": drops, "t": time.time()}
 
 
 def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
@@ -99,7 +100,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
     set_congestion(net, CongestionParams(ecn=p.ecn, trim=variant == "trim", trim_kb=p.trim_kb))
-    before = bottleneck_counts(net.dataplane, recv_if.switch, recv_if.port)
+    before = bottleneck_counts(net.dataplane, ctx.telemetry, recv_if.switch, recv_if.port)
     nbytes = p.flow_kb * 1024
     log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over MRC -> {receiver}")
     t0 = time.time()
@@ -111,7 +112,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                                                        recv_if.rate_mbps))
     t1 = time.time()
     time.sleep(SETTLE_S)
-    after = bottleneck_counts(net.dataplane, recv_if.switch, recv_if.port)
+    after = bottleneck_counts(net.dataplane, ctx.telemetry, recv_if.switch, recv_if.port)
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"
     elsewhere = {k: n - before["all_drops"][k] for k, n in after["all_drops"].items()
                  if k != key and n - before["all_drops"][k]}

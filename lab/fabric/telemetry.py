@@ -268,6 +268,17 @@ class QueueTelemetry:
             self._kernel_rows[:, 4] = [k.ce_marked for k in kernel]
         return self._kernel_rows
 
+    def kernel_counts(self) -> dict[str, QueueSample]:
+        """Every gated queue's kernel counters at this instant, on a socket of the
+        caller's own: what a count over an exact span reads at its ends (the sampling
+        loop's dump may be KERNEL_EVERY_S old: RED's marks of a 3 s flow's last half
+        second went uncounted in the lab VM)."""
+        nl = tcnl.Netlink()
+        try:
+            return self._dump(nl, time.time())
+        finally:
+            nl.close()
+
     def _dump(self, nl: tcnl.Netlink, t: float) -> dict[str, QueueSample]:
         """The kernel's view of every gated queue: one rtnetlink dump."""
         marks: dict[tuple[int, int], int] = {}

@@ -22,6 +22,7 @@ from traffic.constants import (DSCP_PRIORITY, DSCP_ROCE_DATA, DSCP_TRIMMED, PRIO
 
 NS_A, NS_B = "fl-dpa", "fl-dpb"
 INTF_A, INTF_B = f"{NS_A}-eth0", f"{NS_B}-eth0"
+MAC_B = "02:fd:00:00:00:02"
 BUFFER = 32 * 1024
 PORT_MBPS = 2
 UDP_FRAME_BYTES = 1042          # 1000 bytes of UDP payload
@@ -109,9 +110,13 @@ class Pair:
     def __enter__(self):
         self.__exit__()
         sh(f"ip netns add {NS_A}; ip netns add {NS_B}")
-        sh(f"ip link add {INTF_A} netns {NS_A} type veth peer name {INTF_B} netns {NS_B}")
+        sh(f"ip link add {INTF_A} netns {NS_A} type veth peer name {INTF_B} netns {NS_B} "
+           f"address {MAC_B}")
         for ns, intf, ip in ((NS_A, INTF_A, "10.99.0.1"), (NS_B, INTF_B, "10.99.0.2")):
             sh(f"ip -n {ns} link set {intf} up; ip -n {ns} addr add {ip}/24 dev {intf}")
+        # B's address known in advance: the first frame waits for no ARP answer (on a
+        # software CPU that took longer than telemetry's period, a gap in its looks)
+        sh(f"ip -n {NS_A} neigh replace 10.99.0.2 lladdr {MAC_B} dev {INTF_A} nud permanent")
         sh(f"ip netns exec {NS_A} tc qdisc add dev {INTF_A} root handle 1: htb default 10;"
            f"ip netns exec {NS_A} tc class add dev {INTF_A} parent 1: classid 1:10 htb "
            f"rate {PORT_MBPS}mbit; ip netns exec {NS_A} tc qdisc add dev {INTF_A} parent 1:10 "
@@ -171,7 +176,7 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
         t.set_ecn(0, 1 << PRIORITY_ROCE_DATA, KMIN, KMAX, PMAX, queues.red_wlog(KMIN, KMAX),
                   int(queues.AVERAGE_PACKET_BYTES * 8e3 / PORT_MBPS))
         t.set_pfc(0, PRIORITY_ROCE_DATA, XOFF, XON)
-        t.set_history(0, 0, look_ns=5_000_000)     # telemetry's looks at A's queues
+        t.set_history(0, 0, look_ns=20_000_000)    # telemetry's looks at A's queues
         cap, pcap = _capture()
         # 600 frames of 1042 bytes, ~2x the port's rate: the queue fills past Kmax and
         # the buffer, then drains once the sender stops
@@ -212,12 +217,14 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     # ...and held as its MAC would: paused for 0xFFFF quanta from its arrival
     assert b["paused_until_ns"] == rx["t_ns"] + 0xFFFF * 51200
     assert c["pfc_tx_pause"] == 1 and b["pfc_rx_pause"] == 1 and c["pfc_rx_pause"] == 0
-    # telemetry's history: a look per 5 ms period in which a frame came or went (every
-    # period of the ~1.4 s burst and drain: a frame leaves every 4.2 ms), the last one
+    # telemetry's history: a look per 20 ms period in which a frame came or went: after
+    # every period that ended with frames queued (one leaves every 4.2 ms; on a software
+    # CPU a sender stalled longer than 5 ms periods, with the queue empty), the last one
     # as the queue stood at the end (empty, every count final); the queue passed Kmax
     kept = sorted((lk for lk in looks if lk[0]), key=lambda lk: lk[0])
     periods = [lk[0] for lk in kept]
-    assert len(kept) > 40 and periods == list(range(periods[0], periods[0] + len(kept)))
+    assert len(kept) > 40
+    assert all(b[0] == a[0] + 1 for a, b in zip(kept, kept[1:]) if a[1] > 0), periods
     assert kept[-1][1:6] == [0, 0, c["out_packets"], c["drop_packets"], c["ce_marked"]]
     assert max(lk[1] for lk in kept) > KMAX
 

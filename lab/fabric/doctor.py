@@ -37,7 +37,8 @@ def _run(args: list[str], ns: str | None = None) -> subprocess.CompletedProcess:
 QDISC_PROBES = {
     "htb": "htb default 1",
     "tbf": "tbf rate 10mbit burst 10kb latency 50ms",
-    "red": "red limit 400000 min 30000 max 90000 avpkt 1000 burst 55 ecn "
+    # (nodrop, as the lab's RED queues use it: Linux 5.9 and later)
+    "red": "red limit 400000 min 30000 max 90000 avpkt 1000 burst 55 ecn nodrop "
            "probability 0.02 bandwidth 100mbit",
     "netem": "netem delay 1ms",
     "fq_codel": "fq_codel",

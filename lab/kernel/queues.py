@@ -221,9 +221,12 @@ def roce_queue_command(intf: str, rate_mbps: float, q: QueueParams) -> str:
                f"bfifo limit {limit}"
     kmin, kmax = int(q.red.kmin_kb * 1024), int(q.red.kmax_kb * 1024)
     burst = red_burst(kmin, kmax)
+    # nodrop: a frame that is not ECN-capable (MRC's credit requests, in the data
+    # class) is queued where RED would mark, not dropped early, as the BPF data path
+    # does; without it kernel RED dropped one in a lab VM incast that claims no drops
     return (f"qdisc replace dev {intf} parent {parent} handle {red_major(prio):x}: "
             f"red limit {limit} min {kmin} max {kmax} avpkt {AVERAGE_PACKET_BYTES} "
-            f"burst {burst} probability {q.red.pmax} bandwidth {rate_mbps}mbit ecn")
+            f"burst {burst} probability {q.red.pmax} bandwidth {rate_mbps}mbit ecn nodrop")
 
 
 def host_interfaces(fabric: Fabric, host: str) -> list[str]:

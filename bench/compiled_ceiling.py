@@ -114,11 +114,11 @@ def main() -> None:
     if a.inside:
         inside(*a.inside)
         return
-    from lab.fabric.calibrate import two_hosts
+    from lab.fabric.calibrate import two_leaves
     from lab.session import Session
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
-        with Session(two_hosts(FAST_PATH_MBPS), "bench/compiled_ceiling.py",
+        with Session(two_leaves(FAST_PATH_MBPS), "bench/compiled_ceiling.py",
                      Path(tmp) / "net") as s:
             net = s.net
             g0, g1 = net.fabric.host("g0"), net.fabric.host("g1")

@@ -28,7 +28,7 @@ import sys
 from lab.core.state import RunLock
 from lab.session import Session
 from lab.fabric import calibrate
-from lab.fabric.calibrate import flow, two_hosts
+from lab.fabric.calibrate import flow, two_leaves
 from lab.fabric.gpus import iperf3_tcp
 from traffic.constants import DEFAULT_MTU_BYTES, IMMDT_BYTES, RETH_BYTES
 from traffic.roce import WRITE_OVERHEAD_BYTES
@@ -84,12 +84,12 @@ def main() -> None:
     ap.add_argument("--sweep", default="50,100,200,400")
     a = ap.parse_args()
     nbytes = int(a.rate_mbps * 1e6 / 8 * a.seconds)
-    with Session(two_hosts(a.rate_mbps), "bench/transport.py") as s:
+    with Session(two_leaves(a.rate_mbps), "bench/transport.py") as s:
         tcp = iperf3_tcp(s.net, "g0", "g1", a.seconds)
         rc = flow_goodput(s.net, "rc", nbytes)
         mrc = flow_goodput(s.net, "mrc", nbytes)
         bare = bare_send(s.net, BARE_FRAMES)
-    with Session(two_hosts(FAST_PATH_MBPS), "bench/transport.py") as s:
+    with Session(two_leaves(FAST_PATH_MBPS), "bench/transport.py") as s:
         fast = {"bare": bare_send(s.net, BARE_FRAMES),
                 "RC": flow_goodput(s.net, "rc", FAST_FLOW_BYTES),
                 "MRC": flow_goodput(s.net, "mrc", FAST_FLOW_BYTES)}

@@ -219,13 +219,19 @@ def cmd_tour(args) -> int:
 def cmd_calibrate(args) -> int:
     from lab.core.state import RunLock
     from lab.fabric import calibrate
-    print("calibrating: one GPU host's flow at rising link rates, until it falls behind")
+    print(f"calibrating: one GPU host's flow at rising link rates until it falls behind, "
+          f"then {calibrate.BUSY_PAIRS} flows at once")
     with RunLock("fabriclab calibrate"):
-        c = calibrate.measure(tuple(args.rates) if args.rates else calibrate.SWEEP_MBPS)
+        c = calibrate.measure(tuple(args.rates) if args.rates else calibrate.SWEEP_MBPS,
+                              tuple(args.busy_rates) if args.busy_rates
+                              else calibrate.BUSY_SWEEP_MBPS)
     path = calibrate.save(c)
     print(f"this machine's GPU hosts keep up with {c.keep_up_mbps:g} Mb/s (reference "
-          f"{calibrate.REFERENCE_KEEP_UP_MBPS:g}): experiments' default rates and sizes run "
-          f"x{c.factor:.2f}; saved in {path}")
+          f"{calibrate.REFERENCE_KEEP_UP_MBPS:g}), {c.busy_keep_up_mbps:g} Mb/s with "
+          f"{2 * calibrate.BUSY_PAIRS} busy at once (reference "
+          f"{calibrate.REFERENCE_BUSY_KEEP_UP_MBPS:g}): experiments' default rates and "
+          f"sizes run x{c.factor:.2f} with 2 hosts busy, down to x{c.busy_factor:.2f} with "
+          f"{2 * calibrate.BUSY_PAIRS}; saved in {path}")
     return 0
 
 
@@ -447,6 +453,9 @@ def build_parser() -> Parser:
     ca.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",") if x],
                     metavar="MBPS", help="the link rates to try, rising (default "
                     "5,10,20,50,100,200)")
+    ca.add_argument("--busy-rates", type=lambda v: [float(x) for x in v.split(",") if x],
+                    metavar="MBPS", help="the link rates to try with 4 flows at once, "
+                    "rising (default 1.25,2.5,5,10)")
     ca.set_defaults(func=cmd_calibrate)
     t = sub.add_parser("top", help="the lab's hottest switch queues, live (any running fabric)")
     t.add_argument("--interval", type=float, default=0.5, metavar="S")

@@ -28,20 +28,42 @@ def machine_calibration():
     return c
 
 
+def calibrated_mbps(mbps: float, busy_hosts: int) -> float:
+    """A test's own link rate, set for the reference machine, as the runner would scale
+    it for an experiment keeping `busy_hosts` busy (the stored calibration, if any)."""
+    from lab.fabric import calibrate
+    c = calibrate.load()
+    return round(mbps * c.factor_for(busy_hosts), 3) if c else mbps
+
+
 @pytest.fixture
 def machine_factor(machine_calibration) -> float:
-    """What the runner scales the default link rates by on this machine."""
+    """What the runner scales the default link rates by on this machine, for an
+    experiment that keeps two hosts or fewer busy at once (incast, trimming)."""
     return machine_calibration.factor if machine_calibration else 1.0
 
 
 @pytest.fixture
-def pace(machine_factor):
-    """A test's own sizes and times, set for the reference machine, scaled as the runner
-    scales an experiment's defaults: sizes by size_factor over links slowed by the
-    machine factor, so a transfer takes size/factor longer (x2.5 at factor 0.1)."""
+def factor_for(machine_calibration):
+    """...and for one that keeps `busy_hosts` busy (calibrate.Calibration.factor_for)."""
+    return lambda busy_hosts: (machine_calibration.factor_for(busy_hosts)
+                               if machine_calibration else 1.0)
+
+
+@pytest.fixture
+def pace(factor_for):
+    """A test's own sizes and times for an experiment, set for the reference machine,
+    scaled as the runner scales the experiment's defaults: sizes by size_factor over
+    links slowed by its factor, so a transfer takes size/factor longer (x2.5 at 0.1)."""
+    from lab.experiments.base import busy_hosts
     from lab.fabric import calibrate
-    size = calibrate.size_factor(machine_factor)
-    return Pace(size, size / machine_factor)
+    from lab.runner import load
+
+    def of(experiment: str) -> Pace:
+        factor = factor_for(busy_hosts(load(experiment)))
+        size = calibrate.size_factor(factor)
+        return Pace(size, size / factor)
+    return of
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from conftest import fabriclab
 from lab import runner
+from lab.experiments import base as experiment
 from lab.core import paths
 from lab.experiments.common import TIMEOUT_IDEALS, traffic_timeout_s
 from lab.fabric import calibrate
@@ -29,6 +30,24 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
     assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
+
+
+def test_an_experiment_keeping_more_hosts_busy_runs_slower_links():
+    """A slow machine's agents cost more than their packets: in the lab VM under TCG one
+    pair kept up with 14.1 Mb/s, four pairs at once with ~1 each. An experiment's
+    factor follows the hosts it keeps busy: the pair's for 2, the four pairs' for 8,
+    geometric between; the reference machine runs every default as it is."""
+    c = calibrate.Calibration(14.1, 1.0, {}, [], [], "")
+    assert c.factor == 14.1 / 50 and c.busy_factor == 1.0 / 10
+    assert c.factor_for(2) == 0.282 and c.factor_for(8) == c.factor_for(9) == 0.1
+    assert c.factor_for(4) == round(0.282 * (0.1 / 0.282) ** (1 / 3), 4) == 0.1996
+    assert c.factor_for(1) == 0.282
+    assert calibrate.Calibration(100, 10, {}, [], [], "").factor_for(8) == 1.0
+    # never faster with more hosts busy, whatever the busy measurement says
+    assert calibrate.Calibration(10, 10, {}, [], [], "").factor_for(8) == 0.2
+    busy = {name: experiment.busy_hosts(mod) for name, mod in runner.available().items()}
+    assert busy["incast"] == busy["loss-recovery"] == 2 and busy["ecmp-vs-spray"] == 8
+    assert busy["allreduce"] == busy["link-failure"] == busy["plane-failure"] == 4
 
 
 def test_traffic_waits_in_proportion_to_its_bytes_not_a_fixed_time():
@@ -82,12 +101,18 @@ def test_calibration_goodput_is_the_steady_rate():
 def test_calibrate_measures_and_the_runner_uses_it(tmp_path):
     env = {**os.environ, paths.CALIBRATION_ENV: str(tmp_path / "calibration.json")}
     # rates even a software-CPU VM keeps up with (it does 5 Mb/s)
-    r = fabriclab("calibrate", "--rates", "2,4", env=env, timeout=300)
+    # (and four pairs at once, at rates the lab VM keeps up with: ~1 Mb/s)
+    r = fabriclab("calibrate", "--rates", "2,4", "--busy-rates", "0.25,0.5", env=env,
+                  timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     c = json.loads((tmp_path / "calibration.json").read_text())
     assert c["keep_up_mbps"] == 4 and [s["keeps_up"] for s in c["sweep"]] == [True, True]
     assert all(s["goodput_mbps"] >= 0.8 * s["rate_mbps"] for s in c["sweep"]), c["sweep"]
-    assert "keep up with 4 Mb/s" in r.stdout and "x0.08" in r.stdout
+    assert c["busy_keep_up_mbps"] == 0.5 and [s["keeps_up"] for s in c["busy_sweep"]] == \
+        [True, True]
+    assert all(0 < s["machine_busy"] < calibrate.MACHINE_BUSY_LIMIT for s in c["busy_sweep"])
+    assert "keep up with 4 Mb/s" in r.stdout and "x0.08 with 2 hosts busy" in r.stdout
+    assert "0.5 Mb/s with 8 busy at once" in r.stdout and "down to x0.05" in r.stdout
     # 4 Mb/s against the reference 50: the incast runs at 0.08 of its default rates
     out = tmp_path / "incast"
     r = fabriclab("run", "incast", "--set", "variants=none", "--set", "senders=2",

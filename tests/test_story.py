@@ -54,7 +54,7 @@ def test_routes_skip_a_failed_link():
 def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, pace):
     # sizes and times at the machine's pace: on a slower machine the rates are lower, so
     # the failure and the reroute must come later for a ring step to outlast them
-    out = tmp_path / "lf"
+    out, pace = tmp_path / "lf", pace("link-failure")
     reroute_s = pace.s(0.8)
     r = fabriclab("run", "link-failure", "--set", f"workload={workload}",
                   "--set", f"flow_kb={pace.kb(900)}", "--set", f"allreduce_kb={pace.kb(512)}",

@@ -80,6 +80,12 @@ def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:
     return tuple(getattr(mod, "SCALED_SIZES", ()))
 
 
+def busy_hosts(mod: ModuleType) -> int:
+    """How many GPU hosts the experiment keeps sending at once at its defaults (a pair,
+    if it says nothing): what its rates scale by on a slower machine."""
+    return int(getattr(mod, "BUSY_HOSTS", 2))
+
+
 def capture_plan(mod: ModuleType, fabric: Fabric, params) -> CapturePlan:
     """What the experiment finds worth capturing (nothing, if it says nothing)."""
     plan = getattr(mod, "capture_plan", None)

@@ -154,6 +154,8 @@ def as_dict(caps: list[Capability]) -> dict:
             "bpf" if _get(caps, "bpf-dataplane") else "controller",
             "ovs_datapath": "kernel" if _get(caps, "ovs-kernel-datapath") else "user",
             "calibration": {"keep_up_mbps": cal.keep_up_mbps, "machine_factor": cal.factor,
+                            "busy_keep_up_mbps": cal.busy_keep_up_mbps,
+                            "busy_machine_factor": cal.busy_factor,
                             "measured": cal.measured} if cal else None,
             "capabilities": [asdict(c) for c in caps]}
 
@@ -163,9 +165,11 @@ def calibration_line(d: dict) -> str:
     if c is None:
         return ("machine speed: not calibrated (`fabriclab calibrate`, or the first tour, "
                 "measures it; until then the experiments run at their defaults)")
-    return (f"machine speed: GPU hosts keep up with {c['keep_up_mbps']:g} Mb/s "
+    return (f"machine speed: GPU hosts keep up with {c['keep_up_mbps']:g} Mb/s, "
+            f"{c['busy_keep_up_mbps']:g} with {2 * calibrate.BUSY_PAIRS} busy at once "
             f"(calibrated {c['measured']}): experiments' default rates and sizes "
-            f"x{c['machine_factor']:.2f}")
+            f"x{c['machine_factor']:.2f} with 2 hosts busy, x{c['busy_machine_factor']:.2f} "
+            f"with {2 * calibrate.BUSY_PAIRS}")
 
 
 def _get(caps: list[Capability], name: str) -> bool:

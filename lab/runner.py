@@ -185,14 +185,14 @@ def run(name: str, settings: list[str], out: Path | None = None,
     t0 = time.monotonic()
     mod = load(name)
     calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
-    busy = experiment.busy_hosts(mod)
+    busy = experiment.busy_ends(mod)
     factor = calibration.factor_for(busy) if calibration else 1.0
     params, topo_params, queue_params = split_settings(mod, settings, factor)
     if factor < 1:
         log.info(f"this machine's GPU hosts keep up with {calibration.keep_up_mbps:g} "
                  f"Mb/s, {calibration.busy_keep_up_mbps:g} with "
                  f"{2 * calibrate.BUSY_PAIRS} busy (fabriclab calibrate); {name} keeps "
-                 f"{busy} busy: default link rates x{factor:.2f}, message sizes "
+                 f"{busy} flow ends busy: default link rates x{factor:.2f}, message sizes "
                  f"x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}, "
                  f"queue sampling / {factor:.2f}")
     topo = TOPOLOGIES[params.topology](topo_params)
@@ -247,8 +247,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
     if metrics.get("cpu_bound_hosts"):
         remedy = ("run `fabriclab calibrate` once so the defaults fit this machine"
                   if calibration is None else
-                  f"this machine is calibrated for the {busy} hosts {name} keeps busy at "
-                  f"its defaults, but this run needs lower rates still")
+                  f"this machine is calibrated for the {busy} flow ends {name} keeps busy "
+                  f"at its defaults, but this run needs lower rates still")
         warnings.append(f"hosts {', '.join(metrics['cpu_bound_hosts'])} were CPU-bound: their "
                         f"NICs could not keep up, so timings there are not faithful; lower "
                         f"the link rates (--set host_rate_mbps=...); {remedy}")

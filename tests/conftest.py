@@ -28,12 +28,13 @@ def machine_calibration():
     return c
 
 
-def calibrated_mbps(mbps: float, busy_hosts: int) -> float:
+def calibrated_mbps(mbps: float, busy_ends: int) -> float:
     """A test's own link rate, set for the reference machine, as the runner would scale
-    it for an experiment keeping `busy_hosts` busy (the stored calibration, if any)."""
+    it for an experiment keeping `busy_ends` flow ends busy (lab/experiments/base.py's
+    busy_ends; the stored calibration, if any)."""
     from lab.fabric import calibrate
     c = calibrate.load()
-    return round(mbps * c.factor_for(busy_hosts), 3) if c else mbps
+    return round(mbps * c.factor_for(busy_ends), 3) if c else mbps
 
 
 @pytest.fixture
@@ -45,9 +46,9 @@ def machine_factor(machine_calibration) -> float:
 
 @pytest.fixture
 def factor_for(machine_calibration):
-    """...and for one that keeps `busy_hosts` busy (calibrate.Calibration.factor_for)."""
-    return lambda busy_hosts: (machine_calibration.factor_for(busy_hosts)
-                               if machine_calibration else 1.0)
+    """...and for one that keeps `busy_ends` flow ends busy (Calibration.factor_for)."""
+    return lambda busy_ends: (machine_calibration.factor_for(busy_ends)
+                              if machine_calibration else 1.0)
 
 
 @pytest.fixture
@@ -55,12 +56,12 @@ def pace(factor_for):
     """A test's own sizes and times for an experiment, set for the reference machine,
     scaled as the runner scales the experiment's defaults: sizes by size_factor over
     links slowed by its factor, so a transfer takes size/factor longer (x2.5 at 0.1)."""
-    from lab.experiments.base import busy_hosts
+    from lab.experiments.base import busy_ends
     from lab.fabric import calibrate
     from lab.runner import load
 
     def of(experiment: str) -> Pace:
-        factor = factor_for(busy_hosts(load(experiment)))
+        factor = factor_for(busy_ends(load(experiment)))
         size = calibrate.size_factor(factor)
         return Pace(size, size / factor)
     return of

@@ -51,9 +51,10 @@ def test_the_api_says_what_is_wrong():
         Lab("leaf-spine").incast("g0", 1000)
 
 
-# 10 Mb/s on the reference machine; four hosts busy at once: slower where they would
-# starve (a marker's arguments are fixed at collection: the stored calibration)
-MOE_MBPS = calibrated_mbps(10, busy_hosts=4)
+# 10 Mb/s on the reference machine; four hosts sending and receiving at once: slower
+# where they would starve (a marker's arguments are fixed at collection: the stored
+# calibration)
+MOE_MBPS = calibrated_mbps(10, busy_ends=8)
 
 
 @pytest.mark.fabric("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2,

@@ -34,20 +34,20 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
 
 def test_an_experiment_keeping_more_hosts_busy_runs_slower_links():
     """A slow machine's agents cost more than their packets: in the lab VM under TCG one
-    pair kept up with 14.1 Mb/s, four pairs at once with ~1 each. An experiment's
-    factor follows the hosts it keeps busy: the pair's for 2, the four pairs' for 8,
-    geometric between; the reference machine runs every default as it is."""
+    pair kept up with 14.1 Mb/s, four pairs at once with ~1.1 each. An experiment's
+    factor follows the flow ends it keeps busy: the pair's for 2, the four pairs' for 8
+    and more, geometric between; the reference machine runs every default as it is."""
     c = calibrate.Calibration(14.1, 1.0, {}, [], [], "")
     assert c.factor == 14.1 / 50 and c.busy_factor == 1.0 / 10
-    assert c.factor_for(2) == 0.282 and c.factor_for(8) == c.factor_for(9) == 0.1
+    assert c.factor_for(2) == c.factor_for(1) == 0.282 and c.factor_for(8) == 0.1
     assert c.factor_for(4) == round(0.282 * (0.1 / 0.282) ** (1 / 3), 4) == 0.1996
-    assert c.factor_for(1) == 0.282
-    assert calibrate.Calibration(100, 10, {}, [], [], "").factor_for(8) == 1.0
+    assert c.factor_for(16) == 0.1        # measured no further than 8
+    assert calibrate.Calibration(100, 10, {}, [], [], "").factor_for(16) == 1.0
     # never faster with more hosts busy, whatever the busy measurement says
     assert calibrate.Calibration(10, 10, {}, [], [], "").factor_for(8) == 0.2
-    busy = {name: experiment.busy_hosts(mod) for name, mod in runner.available().items()}
+    busy = {name: experiment.busy_ends(mod) for name, mod in runner.available().items()}
     assert busy["incast"] == busy["loss-recovery"] == 2 and busy["ecmp-vs-spray"] == 8
-    assert busy["allreduce"] == busy["link-failure"] == busy["plane-failure"] == 4
+    assert busy["allreduce"] == busy["link-failure"] == 8 and busy["plane-failure"] == 16
 
 
 def test_traffic_waits_in_proportion_to_its_bytes_not_a_fixed_time():

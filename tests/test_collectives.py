@@ -237,7 +237,7 @@ def test_ring_building_blocks_match_numpy_on_every_host(tmp_path, kind, transpor
 
     rng = np.random.default_rng(7)
     tensors = [rng.standard_normal(65_537).astype(np.float32) for _ in range(4)]
-    mbps = 10 * factor_for(4)
+    mbps = 10 * factor_for(8)      # a ring over 4: each host sends and receives
     topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2,
                       host_rate_mbps=mbps, fabric_rate_mbps=mbps)
     with FabricNetwork(topo, tmp_path) as net:

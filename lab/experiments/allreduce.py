@@ -18,8 +18,8 @@ NAME = "allreduce"
 DESCRIPTION = "all-reduce on every GPU host (ring, tree or hier): each result checked, nccl-tests figures"
 
 SCALED_SIZES = ("size_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (a ring over all 4): calibrate.factor_for
-BUSY_HOSTS = 4
+# flow ends busy at once at the defaults (a ring over 4: each sends and receives)
+BUSY_ENDS = 8
 
 @dataclass
 class Params:

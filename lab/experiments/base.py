@@ -80,10 +80,12 @@ def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:
     return tuple(getattr(mod, "SCALED_SIZES", ()))
 
 
-def busy_hosts(mod: ModuleType) -> int:
-    """How many GPU hosts the experiment keeps sending at once at its defaults (a pair,
-    if it says nothing): what its rates scale by on a slower machine."""
-    return int(getattr(mod, "BUSY_HOSTS", 2))
+def busy_ends(mod: ModuleType) -> int:
+    """How many flow ends the experiment keeps busy at once at its defaults, counted as
+    the calibration counts them: a host sending at line rate is one, receiving one
+    more, per NIC port (a ring's host two; on two planes four). A pair, if it says
+    nothing. What its rates scale by on a slower machine (calibrate.factor_for)."""
+    return int(getattr(mod, "BUSY_ENDS", 2))
 
 
 def capture_plan(mod: ModuleType, fabric: Fabric, params) -> CapturePlan:

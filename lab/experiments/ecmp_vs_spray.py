@@ -41,8 +41,8 @@ BALANCE_TOLERANCE = 0.10      # sprayed uplinks within 10% of their mean
 VARIANTS = ("rc", "rc+pfc", "mrc_hash", "mrc_explicit")
 
 SCALED_SIZES = ("flow_mb",)   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (4 flows, leaf 0 to leaf 1): calibrate.factor_for
-BUSY_HOSTS = 8
+# flow ends busy at once at the defaults (4 flows, leaf 0 to leaf 1) (calibrate.py)
+BUSY_ENDS = 8
 
 @dataclass
 class Params:

@@ -46,8 +46,8 @@ TRAINING_IDS = 128           # the training's agents number their QPs apart (age
 VARIANT_IDS = 16             # each variant's KV QPs numbered apart too: a capture tells them
 # apart (one collective id per transfer: transfers <= VARIANT_IDS)
 SCALED_SIZES = ("kv_kb", "grad_kb")
-# hosts sending at once at the defaults (a 6-GPU ring, the KV pair): calibrate.factor_for
-BUSY_HOSTS = 8
+# flow ends busy at once at the defaults (a 6-GPU ring, the KV pair) (calibrate.py)
+BUSY_ENDS = 14
 
 
 @dataclass

@@ -64,8 +64,8 @@ SETTLE_GRACE_S = 0.5        # a link event reaches the controller's log within t
 GRAY_RATIO = 0.5            # gray failures: MRC's completion (or resends) under half RC's
 
 SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (a ring over 4): calibrate.factor_for
-BUSY_HOSTS = 4
+# flow ends busy at once at the defaults (a ring over 4) (calibrate.py)
+BUSY_ENDS = 8
 
 @dataclass
 class Params:

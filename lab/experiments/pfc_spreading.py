@@ -40,8 +40,8 @@ HOL_LOSS = 0.8          # under PFC the victim keeps less than 80% of its rate a
 KEEPS = 0.8             # ...under ECN at least 80% of it
 
 SCALED_SIZES = ("incast_kb", "victim_kb")   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (the victim's pair; the incast shares one link)
-BUSY_HOSTS = 4
+# flow ends busy at once at the defaults (the victim's pair; the incast's share a link)
+BUSY_ENDS = 4
 
 @dataclass
 class Params:

@@ -42,8 +42,8 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"planes": 2, "spines": 1, "leaves": 2, "host
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 20.0,
                                     "rate_scale": 10000}}
 SCALED_SIZES = ("allreduce_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (a ring over 4): calibrate.factor_for
-BUSY_HOSTS = 4
+# flow ends busy at once at the defaults (a ring over 4, on both planes' ports)
+BUSY_ENDS = 16
 FAILED_PLANE = 0            # RC's plane: its QPs' paths are plane 0's
 STALL_RATIO = 0.5           # MRC's stall under half of RC's
 KEPT_SHARE = 0.7            # MRC's delivery rate in the outage, at least this share of the

@@ -36,8 +36,8 @@ MODEL_SPEEDUP_SHARE = 0.6   # measured at the defaults: 3.7x of the model's 4.2x
 TINY_FLOATS = 64            # per GPU: the latency term's all-reduce (a packet per step)
 
 SCALED_SIZES = ("size_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (a ring over 8): calibrate.factor_for
-BUSY_HOSTS = 8
+# flow ends busy at once at the defaults (a ring over 8) (calibrate.py)
+BUSY_ENDS = 16
 
 @dataclass
 class Params:

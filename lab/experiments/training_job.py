@@ -70,8 +70,8 @@ VARIANT_IDS = 60              # collective ids per variant (fresh agents: late f
 CHECKPOINT_SLOWDOWN = 1.2     # claim: the DP all-reduce beside a checkpoint, over without
 SCALED_SIZES = ("tp_allreduce_kb", "pp_activation_kb", "dp_grad_kb", "moe_alltoall_kb",
                 "checkpoint_kb")
-# hosts sending at once at the defaults (10 GPUs' collectives): calibrate.factor_for
-BUSY_HOSTS = 8
+# flow ends busy at once at the defaults (8 GPUs' TP rings) (calibrate.py)
+BUSY_ENDS = 16
 
 
 @dataclass

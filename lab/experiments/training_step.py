@@ -49,8 +49,8 @@ BACKGROUND_LOAD = 0.8        # the background senders' rates, together, over the
 BACKGROUND_COLLECTIVE_IDS = 128
 
 SCALED_SIZES = ("grad_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
-# hosts sending at once at the defaults (a 4-GPU ring, 4 incast senders)
-BUSY_HOSTS = 8
+# flow ends busy at once at the defaults (a ring over 4; an incast of 4 into 1)
+BUSY_ENDS = 12
 
 @dataclass
 class Params:

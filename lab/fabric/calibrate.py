@@ -17,8 +17,8 @@ alone, the experiments that keep 8 hosts busy ran CPU-starved there.
 The experiments' default rates and sizes were chosen on a machine whose pair keeps up
 with 2 x REFERENCE_KEEP_UP_MBPS and whose 4 pairs keep up with REFERENCE_BUSY_KEEP_UP_MBPS
 (they put up to nine agents at 10 Mb/s on two cores). On a slower machine the runner
-scales those defaults down by the factor for the hosts an experiment keeps busy at once
-(its BUSY_HOSTS, `factor_for`): link rates (rate_scale up, so a link still stands for the
+scales those defaults down by the factor for the flow ends an experiment keeps busy at
+once (its BUSY_ENDS, `factor_for`): link rates (rate_scale up, so a link still stands for the
 same real rate) and message sizes (so a run takes as long), never what the user sets.
 """
 from __future__ import annotations
@@ -78,10 +78,13 @@ class Calibration:
         return min(self.factor, max(MIN_FACTOR, min(
             1.0, self.busy_keep_up_mbps / REFERENCE_BUSY_KEEP_UP_MBPS)))
 
-    def factor_for(self, busy_hosts: int) -> float:
-        """The factor for an experiment keeping `busy_hosts` GPU hosts sending at once:
-        geometric between the two measurements (each busy host adds its share)."""
-        w = min(1.0, max(0.0, (busy_hosts - 2) / (2 * BUSY_PAIRS - 2)))
+    def factor_for(self, busy_ends: int) -> float:
+        """The factor for an experiment keeping `busy_ends` flow ends busy at once (a
+        host sending at line rate is one end, receiving one more: base.busy_ends):
+        geometric between the two measurements, the busy one's past its ends (the
+        factor is this machine against the reference at the same load, which ran every
+        default; it was measured no further)."""
+        w = min(1.0, max(0.0, (busy_ends - 2) / (2 * BUSY_PAIRS - 2)))
         return round(self.factor * (self.busy_factor / self.factor) ** w, 4)
 
 

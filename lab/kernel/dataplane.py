@@ -409,6 +409,10 @@ class PortTable:
     def in_bytes(self, slot: int, prio: int) -> int:
         return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio))[0]
 
+    def out_bytes(self, slot: int, prio: int) -> int:
+        """What left the queue, as the peer's program saw it arrive."""
+        return struct.unpack_from("=Q", self.mem, self._state_at(slot, prio) + 8)[0]
+
     def backlog_bytes(self, slot: int, prio: int) -> int:
         at = self._state_at(slot, prio)
         inb, outb = struct.unpack_from("=QQ", self.mem, at)

@@ -28,15 +28,6 @@ def machine_calibration():
     return c
 
 
-def calibrated_mbps(mbps: float, busy_ends: int) -> float:
-    """A test's own link rate, set for the reference machine, as the runner would scale
-    it for an experiment keeping `busy_ends` flow ends busy (lab/experiments/base.py's
-    busy_ends; the stored calibration, if any)."""
-    from lab.fabric import calibrate
-    c = calibrate.load()
-    return round(mbps * c.factor_for(busy_ends), 3) if c else mbps
-
-
 @pytest.fixture
 def machine_factor(machine_calibration) -> float:
     """What the runner scales the default link rates by on this machine, for an

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, calibrated_mbps
+from conftest import REPO
 from lab.api import Lab
 from lab.core.errors import LabError
 
@@ -51,34 +51,30 @@ def test_the_api_says_what_is_wrong():
         Lab("leaf-spine").incast("g0", 1000)
 
 
-# 10 Mb/s on the reference machine; four hosts sending and receiving at once: slower
-# where they would starve (a marker's arguments are fixed at collection: the stored
-# calibration)
-MOE_MBPS = calibrated_mbps(10, busy_ends=8)
-
-
-@pytest.mark.fabric("leaf-spine", spines=2, leaves=2, hosts_per_leaf=2,
-                    host_rate_mbps=MOE_MBPS, fabric_rate_mbps=MOE_MBPS)
-def test_moe_dispatch_alltoallv_and_a_pipeline_step_deliver_every_byte(fabric_lab):
+def test_moe_dispatch_alltoallv_and_a_pipeline_step_deliver_every_byte(tmp_path, factor_for):
     """All-to-all with unequal sizes (tokens routed to experts: some pairs send a lot,
     some nothing) and one pipeline step (each stage's activations to the next): every
-    message intact, none where the size is 0."""
-    sizes = {"g0": {"g1": 40_000, "g2": 0, "g3": 120_000},
-             "g1": {"g0": 8_000, "g2": 64_000},
-             "g2": {"g3": 1_000},
-             "g3": {"g0": 200_000, "g1": 5_000, "g2": 30_000}}
-    a2a = fabric_lab.alltoallv(sizes, transport="mrc")
-    got = {(f["src"], f["dst"]): f["bytes"] for f in a2a["flows"]}
-    assert got == {(a, b): n for a, row in sizes.items() for b, n in row.items() if n}
-    assert a2a["intact"] and a2a["size_bytes"] == 235_000      # g3's three messages
-    # busbw = algbw x 3/4; the busiest link (g0's, in: 208 KB) bounds it under the line
-    assert 0 < a2a["busbw_mbps"] < MOE_MBPS
-    stages = fabric_lab.hosts                       # pipeline: stage i -> stage i+1
-    forward = fabric_lab.pipeline_step(stages, 64_000)
-    backward = fabric_lab.pipeline_step(stages, 64_000, backward=True)
-    assert [(f["src"], f["dst"]) for f in forward["flows"]] == list(zip(stages, stages[1:]))
-    assert [(f["src"], f["dst"]) for f in backward["flows"]] == list(zip(stages[1:], stages))
-    assert forward["intact"] and backward["intact"]
-    assert 0.5 * MOE_MBPS < forward["busbw_mbps"] < MOE_MBPS   # each link one message
-    with pytest.raises(LabError, match="does not have"):
-        fabric_lab.alltoallv({"g0": {"g9": 10}})
+    message intact, none where the size is 0. 10 Mb/s links here; four hosts sending
+    and receiving at once: slower where they would starve (the machine's calibration)."""
+    mbps = 10 * factor_for(8)
+    with Lab("leaf-spine", out=tmp_path / "lab", spines=2, leaves=2, hosts_per_leaf=2,
+             host_rate_mbps=mbps, fabric_rate_mbps=mbps) as fabric_lab:
+        sizes = {"g0": {"g1": 40_000, "g2": 0, "g3": 120_000},
+                 "g1": {"g0": 8_000, "g2": 64_000},
+                 "g2": {"g3": 1_000},
+                 "g3": {"g0": 200_000, "g1": 5_000, "g2": 30_000}}
+        a2a = fabric_lab.alltoallv(sizes, transport="mrc")
+        got = {(f["src"], f["dst"]): f["bytes"] for f in a2a["flows"]}
+        assert got == {(a, b): n for a, row in sizes.items() for b, n in row.items() if n}
+        assert a2a["intact"] and a2a["size_bytes"] == 235_000      # g3's three messages
+        # busbw = algbw x 3/4; the busiest link (g0's, in: 208 KB) bounds it under the line
+        assert 0 < a2a["busbw_mbps"] < mbps
+        stages = fabric_lab.hosts                       # pipeline: stage i -> stage i+1
+        forward = fabric_lab.pipeline_step(stages, 64_000)
+        backward = fabric_lab.pipeline_step(stages, 64_000, backward=True)
+        assert [(f["src"], f["dst"]) for f in forward["flows"]] == list(zip(stages, stages[1:]))
+        assert [(f["src"], f["dst"]) for f in backward["flows"]] == list(zip(stages[1:], stages))
+        assert forward["intact"] and backward["intact"]
+        assert 0.5 * mbps < forward["busbw_mbps"] < mbps     # each link one message: near the line
+        with pytest.raises(LabError, match="does not have"):
+            fabric_lab.alltoallv({"g0": {"g9": 10}})

@@ -91,7 +91,9 @@ def test_gray_failures_at_the_defaults(tmp_path, failure):
     for m in (rc, mrc):
         assert m["failure"] == failure
         if failure == "degrade":
-            assert m["degraded_to_mbps"] == pytest.approx(0.25 * 10.0 * pace_factor(result))
+            # (metrics.json keeps a rate's three decimals: x0.125 made 0.3125 0.312)
+            assert m["degraded_to_mbps"] == pytest.approx(0.25 * 10.0 * pace_factor(result),
+                                                          abs=5e-4)
         elif failure == "flap":
             assert m["flaps"] >= 2
         else:                  # every burst dropped frames (the RC and MRC data there)

@@ -39,6 +39,9 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"spines": 1, "leaves": 1, "hosts_per_leaf": 
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 10.0,
                                     "rate_scale": 10000}}
 VARIANTS = ("drop", "trim")
+# flow ends busy at once at the defaults (calibrate.py): 8 senders keep their windows
+# full into one port (a full queue trims rather than slows them), and their receiver
+BUSY_ENDS = 9
 ROUND_TRIPS = 2.0    # "about a round trip": a trimmed packet's resend, against the smoothed RTT
 
 

@@ -120,32 +120,23 @@ def steady_goodput_mbps(samples: dict, nbytes: int, completion_s: float) -> floa
     return (got[hi] - got[lo]) * 8 / (t[hi] - t[lo]) / 1e6
 
 
-def flow(net, transport: str, nbytes: int) -> dict:
-    """One flow g0 -> g1 on a running FabricNetwork: goodput and the sender's CPU."""
-    from lab.fabric.gpus import GpuAgents
-    with GpuAgents(net, hosts=["g0", "g1"]) as gpus:
-        [f] = gpus.transfers([("g0", "g1", nbytes)], transport)
-        _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == "g0")
-    goodput = steady_goodput_mbps(f["receiver_samples"], nbytes, f["completion_s"])
-    return {"goodput_mbps": goodput, "intact": f["intact"],
-            "packets": f["counters"]["sent"], "cpu_s": cpu_s,
-            "cpu_fraction": cpu_s / elapsed_s if elapsed_s else 1.0}
-
-
-def busy_flows(net, transport: str, nbytes: int) -> dict:
-    """BUSY_PAIRS flows at once, each host of the first leaf to its peer on the second:
-    the slowest flow's goodput, and how busy the machine's CPUs were."""
+def flow(net, transport: str, nbytes: int, pairs: int = 1) -> dict:
+    """`pairs` flows at once on a running FabricNetwork of two leaves (`two_leaves`),
+    each host of the first leaf to its peer on the second: the slowest flow's goodput,
+    the first sender's CPU, and how busy the machine's CPUs were."""
     from lab.fabric.gpus import GpuAgents
     with GpuAgents(net) as gpus:
         names = [h.name for h in gpus.hosts]
-        pairs = list(zip(names[:BUSY_PAIRS], names[BUSY_PAIRS:]))
-        flows = gpus.transfers([(a, b, nbytes) for a, b in pairs], transport)
+        flows = gpus.transfers([(a, b, nbytes) for a, b in zip(names[:pairs], names[pairs:])],
+                               transport)
+        _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == names[0])
         busy = max(gpus.machine_busy, default=1.0)
     goodputs = [steady_goodput_mbps(f["receiver_samples"], nbytes, f["completion_s"])
                 for f in flows]
     return {"goodput_mbps": min(goodputs), "intact": all(f["intact"] is not False
                                                          for f in flows),
-            "machine_busy": busy}
+            "packets": sum(f["counters"]["sent"] for f in flows), "cpu_s": cpu_s,
+            "cpu_fraction": cpu_s / elapsed_s if elapsed_s else 1.0, "machine_busy": busy}
 
 
 def keeps_up(rate_mbps: float, r: dict) -> bool:
@@ -208,8 +199,7 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
             def keeps_up_at(rate: float) -> bool:
                 with FabricNetwork(two_leaves(rate, pairs),
                                    Path(tmp) / f"p{pairs}-r{rate:g}") as net:
-                    r = flow(net, "mrc", nbytes(rate)) if pairs == 1 else \
-                        busy_flows(net, "mrc", nbytes(rate))
+                    r = flow(net, "mrc", nbytes(rate), pairs)
                 ok = keeps_up(rate, r) if pairs == 1 else busy_keeps_up(rate, r)
                 sweeps[pairs].append({"rate_mbps": rate, **{
                     k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},

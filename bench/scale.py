@@ -14,11 +14,10 @@ done), session (what the session adds: telemetry).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
-Measured (12-05, 2 cores, OVS userspace): 256 hosts 29.4 s (build 9.1, verify 13.3,
-teardown 7.0), every pair; 1024 leaf-spine 109.1 s (build 49.6: 34.4 namespaces and
-links, 7.7 queues, 1.8 data path; verify 16.5; teardown 42.9), every sampled pair;
-1024 fat-tree k=16 316.7 s (build 130.6: switches 59.7; verify 71.2, 61,362 of 65,536
-sampled pairs; teardown 114.9): over the goal, see the README.
+Measured (12-05, session 22, 2 cores, OVS userspace): 256 hosts 18.7 s (build 4.7,
+verify 13.3, teardown 0.8), every pair; 1024 leaf-spine 48.0 s (build 25.8, verify 14.8,
+teardown 7.3), every sampled pair; 1024 fat-tree k=16 159.4 s (build 85.0: switches 38.0;
+verify 23.1; teardown 51.3: bridges 44.3), every sampled pair. See the README.
 """
 import argparse
 import time
@@ -37,6 +36,8 @@ SAMPLE_FROM = 1024           # hosts from which verify samples pairs
 SAMPLE_PER_HOST = 64
 STAGES = ("namespaces_links_s", "switches_s", "queues_s", "dataplane_s", "programming_s",
           "session_s")
+TEARDOWN = ("teardown_controller_s", "teardown_bridges_s", "teardown_links_s",
+            "teardown_nodes_s", "teardown_sweep_s")
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
         total = time.monotonic() - t0
         rows.append((n, kind, t_ready, t_verify, net.timings["teardown_s"], total,
                      f"{rep.reachable}/{len(rep.pairs)}" + (" (sampled)" if per_host else ""),
-                     {**{k: net.timings.get(k, 0.0) for k in STAGES},
+                     {**{k: net.timings.get(k, 0.0) for k in STAGES + TEARDOWN},
                       "session_s": t_ready - net.timings.get("ready_s", t_ready)}))
         print(f"  {n} hosts ({kind}) done in {total:.1f} s", flush=True)
     print(f"\n{'hosts':>6} {'topology':>10} {'build s':>8} {'verify s':>9} {'teardown s':>11} "
@@ -76,6 +77,10 @@ def main() -> None:
     print("\nthe build, by stage (s): " + ", ".join(s.removesuffix("_s") for s in STAGES))
     for n, kind, *_, stages in rows:
         print(f"{n:>6} {kind:>10} " + " ".join(f"{stages[s]:>8.1f}" for s in STAGES))
+    print("\nthe teardown, by stage (s): " + ", ".join(
+        s.removeprefix("teardown_").removesuffix("_s") for s in TEARDOWN))
+    for n, kind, *_, stages in rows:
+        print(f"{n:>6} {kind:>10} " + " ".join(f"{stages[s]:>8.1f}" for s in TEARDOWN))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from lab.core import paths
 from lab.core.state import RunLock
 from lab.fabric import cleanup
 from lab.fabric.network import FabricNetwork
+from lab.kernel import rcu
 from topologies.registry import build_topo
 
 
@@ -46,9 +47,18 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, word, tmp_path):
 @requires_root
 def test_teardown_after_success_and_after_failure(tmp_path):
     topo = build_topo("leaf-spine", spines=2, leaves=2, hosts_per_leaf=1)
-    with FabricNetwork(topo, tmp_path / "ok"):
+    rcu_before = rcu.SWITCH.read_text()
+    with FabricNetwork(topo, tmp_path / "ok") as net:
         assert cleanup.lab_bridges() and cleanup.lab_links() and cleanup.live_processes()
+        # every switch port is in the lab's device group, which teardown deletes at once
+        in_group = subprocess.run(["ip", "-o", "link", "show", "group",
+                                   str(cleanup.LINK_GROUP)], capture_output=True,
+                                  text=True).stdout
+        switches = {sw.name for sw in net.fabric.switches}
+        assert len(in_group.splitlines()) == sum((ln.a in switches) + (ln.b in switches)
+                                                 for ln in net.fabric.links)
     assert not any(cleanup.leftovers().values())
+    assert rcu.SWITCH.read_text() == rcu_before
     with pytest.raises(RuntimeError):
         with FabricNetwork(topo, tmp_path / "fail"):
             raise RuntimeError("an experiment failed")
@@ -93,6 +103,17 @@ def test_clean_removes_lab_objects_and_spares_foreign_ones():
     subprocess.run(["ip", "netns", "add", foreign_ns], check=True)
     subprocess.run(["ip", "link", "add", "fl-lf9-eth1", "type", "veth", "peer", "name",
                     "fl-tmp-peer"], check=True)          # a lab link left by a crash
+    group = str(cleanup.LINK_GROUP)                      # ...and one in the lab's group
+    subprocess.run(["ip", "link", "add", "fl-lf8-eth1", "group", group, "type", "veth",
+                    "peer", "name", "fl-tmp-peer8"], check=True)
+    # another program's link in the same group: the group is not deleted at once then
+    subprocess.run(["ip", "link", "add", "flannel-g0", "group", group, "type", "veth",
+                    "peer", "name", "flannel-g1"], check=True)
+    # a teardown killed while RCU was expedited (lab/kernel/rcu.py): the value it found
+    rcu_before = rcu.SWITCH.read_text().strip()
+    rcu.RESTORE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    rcu.RESTORE_FILE.write_text(rcu_before)
+    rcu.SWITCH.write_text("1")
     subprocess.run(["ovs-vsctl", "add-br", "fl-sp9", "--", "set", "bridge", "fl-sp9",
                     "datapath_type=netdev"], check=True)  # a lab bridge left by a crash
     sleeper = subprocess.Popen(["sleep", "60"])           # a process the lab did not start
@@ -107,7 +128,12 @@ def test_clean_removes_lab_objects_and_spares_foreign_ones():
         assert foreign_ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout
         assert sleeper.poll() is None
+        assert "flannel-g0" in subprocess.run(["ip", "-o", "link", "show"],
+                                              capture_output=True, text=True).stdout
+        assert rcu.SWITCH.read_text().strip() == rcu_before and not rcu.RESTORE_FILE.exists()
     finally:
+        rcu.restore()
+        subprocess.run(["ip", "link", "del", "flannel-g0"])
         sleeper.kill()
         sleeper.wait()
         subprocess.run(["ovs-vsctl", "--if-exists", "del-br", foreign_br])

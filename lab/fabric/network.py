@@ -26,9 +26,8 @@ from lab.core import state
 from lab.core.errors import LabError, Terminated
 from lab.fabric import cleanup
 from lab.fabric.controller import Controller
-from lab.kernel import dataplane, ovs, queues
+from lab.kernel import dataplane, ovs, queues, rcu
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
-from topologies.fabric import interface_name
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +74,8 @@ class FabricIntf(Intf):
         if ip:
             self.ip, self.prefixLen = ip.split("/")
             ops.append(f"addr add {ip} dev {self.name}")
+        if not self.node.inNamespace:     # a switch port: teardown deletes the group
+            ops.append(f"link set dev {self.name} group {cleanup.LINK_GROUP}")
         if up:
             ops.append(f"link set dev {self.name} up")
         _ip_batch(self.node, ops,
@@ -239,19 +240,23 @@ class FabricNetwork:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a 2nd Ctrl-C must not cut teardown short
         t0 = time.monotonic()
         try:
-            if self.controller is not None:   # first: links going down would reroute
-                self.controller.stop()
-                self.controller = None
-            if self.mininet is not None:
-                try:
-                    self._stop_mininet()
-                except Exception as e:   # the sweep below still removes what it left
-                    log.warning(f"stopping Mininet's nodes failed ({e}); sweeping")
-                self.mininet = None
-            if self.dataplane is not None:
-                self.dataplane.close()
-                self.dataplane = None
+            with rcu.expedited():       # the kernel's waits, one per port (lab/kernel/rcu.py)
+                if self.controller is not None:   # first: links going down would reroute
+                    self.controller.stop()
+                    self.controller = None
+                self.timings["teardown_controller_s"] = time.monotonic() - t0
+                if self.mininet is not None:
+                    try:
+                        self._stop_mininet()
+                    except Exception as e:   # the sweep below still removes what it left
+                        log.warning(f"stopping Mininet's nodes failed ({e}); sweeping")
+                    self.mininet = None
+                t1 = time.monotonic()
+                if self.dataplane is not None:
+                    self.dataplane.close()
+                    self.dataplane = None
             cleanup.clean()
+            self.timings["teardown_sweep_s"] = time.monotonic() - t1
         finally:
             self.timings["teardown_s"] = time.monotonic() - t0
             signal.signal(signal.SIGINT, old_int)
@@ -263,18 +268,19 @@ class FabricNetwork:
         """Mininet's own stop deletes each link with an `ip link del` typed into a
         node's shell while OVS still holds the ports, and OVS reconfigures for every
         one: a 1024-host fabric took 100 s. Here the bridges go in one ovs-vsctl
-        transaction, then the nodes' shells end: a host's namespace ends with its
-        shell, and the kernel deletes the links in it (and their peers, the switch
-        ports) in one batch; the links between switches, both ends in this namespace,
-        go in one `ip -batch`. Measured at 1024 hosts: bridges 33 s, switch links
-        12 s (512), the hosts' links gone meanwhile: 46 s in all."""
+        transaction, then every link in one call (cleanup.delete_links: the kernel
+        deletes the lab's device group, the hosts' ends with their peers, in a batch),
+        then the nodes' shells end."""
         net = self.mininet
+        t0 = time.monotonic()
         ovs.delete_bridges([sw.name for sw in net.switches])
+        t1 = time.monotonic()
+        cleanup.delete_links()
+        t2 = time.monotonic()
         for node in (*net.hosts, *net.switches):
             node.terminate()
-        switches = {sw.name for sw in self.fabric.switches}
-        cleanup.delete_links([interface_name(ln.a, ln.a_port) for ln in self.fabric.links
-                              if ln.a in switches and ln.b in switches])
+        self.timings.update(teardown_bridges_s=t1 - t0, teardown_links_s=t2 - t1,
+                            teardown_nodes_s=time.monotonic() - t2)
 
     # --- access -------------------------------------------------------------------------
     def host_pid(self, name: str) -> int:

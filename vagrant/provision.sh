@@ -37,6 +37,9 @@ PACKAGES=(
     mininet openvswitch-switch iperf3 libiperf0
     tshark tcpdump ethtool iputils-ping net-tools bridge-utils
     iproute2 nftables procps psmisc
+    # the README's commands are make targets: a Vagrant guest is provisioned by Vagrant,
+    # not by make, and a minimal image (the lab VM's, a bare box) may lack it
+    make
     # the per-packet data path (lab/kernel/dataplane.bpf.c: ECN marking, the PFC trigger) is
     # compiled at first use; libbpf-dev gives its helper headers
     clang llvm libbpf-dev libc6-dev

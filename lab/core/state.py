@@ -78,5 +78,13 @@ def recorded_processes() -> list[dict]:
     return out
 
 
-def forget_processes() -> None:
-    PIDS_FILE.unlink(missing_ok=True)
+def forget_processes(pids: set[int] | None = None) -> None:
+    """Forget every recorded process, or those of `pids` (ended by who started them:
+    a PID reused later must not look like the lab's)."""
+    if pids is None:
+        PIDS_FILE.unlink(missing_ok=True)
+        return
+    kept = [p for p in recorded_processes() if p["pid"] not in pids]
+    tmp = PIDS_FILE.with_name(PIDS_FILE.name + ".tmp")
+    tmp.write_text("".join(json.dumps(p) + "\n" for p in kept))
+    tmp.replace(PIDS_FILE)

@@ -63,6 +63,8 @@ def write(workdir: Path, experiment: str, config: dict, metrics: dict, claims: l
         "params": config["params"],
         "topology": config["topology"],
         "rate_scale": config["rate_scale"],
+        # < 1: the calibration scaled the defaults down for a slow machine
+        "machine_factor": config.get("machine_factor", 1.0),
         "datapath": config.get("datapath"),
         "congestion_datapath": config.get("congestion_datapath"),
         "ovs_send_buffer_bytes": config.get("ovs_send_buffer_bytes"),

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import wire
-from conftest import fabriclab
+from conftest import fabriclab, unexcused_failures
 from controllers.fabric_router import PRIORITY_MAC_CONTROL, PRIORITY_PAUSE_DROP
 from lab.core.errors import LabError
 from lab.experiments.common import starved
@@ -455,19 +455,27 @@ def test_drops_under_late_pauses_name_the_delay():
     on_time = {"drops_packets": 3, "headroom": {"response_ms": 1.0,
                                                 "measured_delivery_ms_max": 0.8}}
     assert late_pauses("pfc", on_time) == []       # PFC's own failure: not excused
+    # the controller's sampling (no BPF data path) decides XOFF late by its gaps too
+    sampled = {**on_time, "queues_sampled": True,
+               "controller_sampling": {"samples": 5000, "gap_ms_max": 6.4}}
+    [msg] = late_pauses("pfc", sampled)
+    assert "6.4 ms without a sample" in msg and "0.8 ms to reach" in msg, msg
+    assert late_pauses("pfc", {**sampled, "queues_sampled": False}) == []
+    assert late_pauses("pfc", {**sampled, "controller_sampling": {"gap_ms_max": 0.1}}) == []
 
 
 # --- the experiments, small -----------------------------------------------------------
 def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf") -> dict:
-    """The incast with every port of its leaf captured; every claim held and every
-    counter the captures can count equal to their count."""
+    """The incast with every port of its leaf captured; every claim held (on a slow
+    machine, but those the run excuses: conftest.unexcused_failures) and every counter
+    the captures can count equal to their count."""
     args = [a for kv in settings for a in ("--set", kv)]
     r = fabriclab("run", "incast", *args, "--capture", "fl-lf0", "--capture-mb", "60",
                   "--congestion-datapath", datapath, "--out", str(out),
                   timeout=int(400 / machine_factor))
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())
-    failed = [c for c in m["claims"] if not c["passed"]]
+    failed = unexcused_failures(m)
     assert not failed, failed
     assert m["congestion_datapath"].startswith("bpf" if datapath == "bpf" else "controller")
     # the userspace datapath's send socket holds what all the leaf's ports may queue
@@ -592,7 +600,12 @@ def test_without_bpf_the_controller_samples_and_pfc_holds_for_four_senders(tmp_p
                    "hosts_per_leaf=5", datapath="sampling")
     assert m["metrics"]["pfc"]["controller_sampling"]["samples"] > 1000
     pfc = m["metrics"]["pfc"]
-    assert pfc["drops_packets"] == 0 and pfc["receiver_naks"] == 0
+    if m["machine_factor"] < 1 and pfc["drops_packets"]:
+        # slower than the reference machine (the lab VM's software CPU: sampling gaps
+        # of several ms), a drop is allowed only where the run names the late sampling
+        assert any("without a sample" in w for w in m["metrics"]["starved"]), m["metrics"]
+    else:
+        assert pfc["drops_packets"] == 0 and pfc["receiver_naks"] == 0
     assert pfc["pause_frames_sent"] > 0 and pfc["drops_elsewhere"] == {}
 
 

@@ -293,6 +293,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                                             for f in flows),
         "pause_delivery_ms": delivery,
         "controller_sampling": state.get("sampling"),
+        "queues_sampled": net.dataplane is None,     # PFC decided by the controller's samples
         "pfc_reaction_ms": state.get("reaction"),   # the run so far
         "headroom": headroom(net, state, recv_if, p, delivery) if "pfc" in variant else None,
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
@@ -358,13 +359,22 @@ def run(ctx: RunContext) -> dict:
 def late_pauses(variant: str, m: dict) -> list[str]:
     """A lossless variant's drops at the bottleneck, when pauses took longer to reach
     their senders than the response its headroom was sized for: the machine's load
-    delayed them (the frames a sender sent meanwhile overflowed the headroom)."""
+    delayed them (the frames a sender sent meanwhile overflowed the headroom). Where
+    the controller samples the queues (no BPF data path), XOFF is decided at a sample,
+    so a gap between samples delays it as much as a slow delivery does."""
     h = m.get("headroom") or {}
-    late = h.get("measured_delivery_ms_max")
-    if not m["drops_packets"] or late is None or late <= h.get("response_ms", late):
+    delivery = h.get("measured_delivery_ms_max")
+    gap = (m.get("controller_sampling") or {}).get("gap_ms_max", 0.0) \
+        if m.get("queues_sampled") else 0.0
+    if not m["drops_packets"] or (delivery is None and not gap) \
+            or (delivery or 0.0) + gap <= h.get("response_ms", float("inf")):
         return []
-    return [f"{variant}: {m['drops_packets']} drops at the bottleneck: a pause took up to "
-            f"{late:.1f} ms to reach its sender, the headroom is sized for a "
+    why = [f"the controller's queue sampling went up to {gap:.1f} ms without a sample "
+           f"(this run so far)" if gap else "",
+           f"a pause took up to {delivery:.1f} ms to reach its sender"
+           if delivery is not None else ""]
+    return [f"{variant}: {m['drops_packets']} drops at the bottleneck: "
+            f"{' and '.join(w for w in why if w)}, the headroom is sized for a "
             f"{h['response_ms']:.1f} ms response: the machine's load delayed the pauses, "
             f"so these drops come from the machine, not from PFC"]
 

@@ -24,6 +24,10 @@ KERNEL_TIER = if $(FABRICLAB) vm kernel-check; then \
 		$(FABRICLAB) vm test; \
 	fi
 
+# The cluster tier (tests/cluster): a fabric across two lab VMs joined by a virtual network,
+# booted from here.
+CLUSTER_TIER = $(VENV)/bin/python -m pytest -q -m cluster tests/cluster
+
 setup:
 	FABRICLAB_VENV=$(abspath $(VENV)) bash vagrant/provision.sh
 
@@ -41,6 +45,7 @@ test: export FABRICLAB_SUITE_TOOLS := 1
 test: setup
 	$(VENV)/bin/python -m pytest -q
 	$(KERNEL_TIER)
+	$(CLUSTER_TIER)
 
 test-kernel: setup
 	$(KERNEL_TIER)

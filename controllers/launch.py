@@ -1,4 +1,5 @@
-"""Runs the controller apps, listening on loopback only, on os-ken or on Ryu.
+"""Runs the controller apps, listening on loopback (or, for a fabric across machines,
+on the cluster's address), on os-ken or on Ryu.
 
 os-ken 4.x ships no manager command; this is the few lines it takes.
     python -m controllers.launch --port 6653 --fabric fabric.json --status status
@@ -51,7 +52,9 @@ def use_ryu() -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--port", type=int, required=True, help="OpenFlow TCP port on 127.0.0.1")
+    ap.add_argument("--port", type=int, required=True, help="OpenFlow TCP port")
+    ap.add_argument("--listen-host", default="127.0.0.1",
+                    help="the address to listen on (loopback, or a cluster's address)")
     ap.add_argument("--fabric", required=True, help="fabric description JSON")
     ap.add_argument("--status", required=True, help="file the app marks programmed switches in")
     ap.add_argument("--congestion", default="", help="ECN/PFC configuration file (JSON)")
@@ -64,7 +67,7 @@ def main(argv=None) -> None:
     apps = args.app or DEFAULT_APPS
     for app in apps:
         __import__(app)   # an app registers its options at import: before they are parsed
-    cfg.CONF(args=["--ofp-listen-host", "127.0.0.1", "--ofp-tcp-listen-port", str(args.port),
+    cfg.CONF(args=["--ofp-listen-host", args.listen_host, "--ofp-tcp-listen-port", str(args.port),
                    "--fabriclab-fabric-file", args.fabric,
                    "--fabriclab-status-file", args.status,
                    "--fabriclab-congestion-file", args.congestion],

@@ -108,13 +108,37 @@ def cmd_verify(args) -> int:
         report = verify.measure(net.fabric, pids)
     for line in report.lines():
         print(line)
+    _warn_wrong_hops(report)
+    print(f"built in {net.timings['build_s']:.1f} s, torn down in "
+          f"{net.timings['teardown_s']:.1f} s")
+    return 0 if report.reachable == len(report.pairs) else 1
+
+
+def _warn_wrong_hops(report) -> None:
     wrong = report.wrong_hops
     if wrong:
         p, r = wrong[0]
         print(f"warning: {len(wrong)} pairs took a longer path than the shortest "
               f"(e.g. {p.src}->{p.dst}: {r.hops} hops, expected {p.expected_hops})")
-    print(f"built in {net.timings['build_s']:.1f} s, torn down in "
-          f"{net.timings['teardown_s']:.1f} s")
+
+
+def cmd_cluster_worker(args) -> int:
+    from lab.cluster import Worker
+    Worker(args.listen, args.port).serve(once=args.once)
+    return 0
+
+
+def cmd_cluster_verify(args) -> int:
+    from lab.cluster import Cluster
+    topo = topology_from_args(args)
+    with Cluster(topo, args.machines, worker_port=args.port, connect_timeout_s=args.wait) as c:
+        print(f"fabric ready on {len(args.machines)} machines in "
+              f"{c.timings['ready_s']:.1f} s; probing all host pairs")
+        report = c.verify()
+    for line in report.lines():
+        print(line)
+    _warn_wrong_hops(report)
+    print(f"torn down in {c.timings['teardown_s']:.1f} s")
     return 0 if report.reachable == len(report.pairs) else 1
 
 
@@ -501,6 +525,26 @@ def build_parser() -> Parser:
     hx.add_argument("--seed", type=int, default=1, help="permutation: its random cycle")
     hx.add_argument("--out", type=Path, default=Path("htsim-export"), help="where the files go")
     hx.set_defaults(func=cmd_htsim_export)
+    cl = sub.add_parser("cluster", help="a fabric over several machines (OVS VXLAN tunnels "
+                        "between them, one controller on the first)")
+    clsub = cl.add_subparsers(dest="cluster_command", required=True, parser_class=Parser)
+    cw = clsub.add_parser("worker", help="serve a cluster's head: build this machine's part "
+                          "when asked, take it down when the head is done or gone")
+    cw.add_argument("--listen", default="0.0.0.0", metavar="ADDR",
+                    help="the address to listen on (default every address)")
+    cw.add_argument("--port", type=int, default=6690, help="TCP port (default 6690)")
+    cw.add_argument("--once", action="store_true", help="exit after serving one head")
+    cw.set_defaults(func=cmd_cluster_worker)
+    cv = clsub.add_parser("verify", help="build a fabric over the machines, check all-pairs "
+                          "reachability across them, tear it down")
+    cv.add_argument("--machines", required=True, metavar="HEAD,ADDR,...",
+                    type=lambda v: [x for x in v.split(",") if x],
+                    help="this machine's address, then every worker's (comma-separated)")
+    cv.add_argument("--port", type=int, default=6690, help="the workers' port (default 6690)")
+    cv.add_argument("--wait", type=float, default=60, metavar="S",
+                    help="how long to wait for each worker to listen (default 60)")
+    add_topology_args(cv)
+    cv.set_defaults(func=cmd_cluster_verify)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
     sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")
     sm.set_defaults(func=cmd_samples)

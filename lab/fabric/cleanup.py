@@ -1,7 +1,8 @@
 """Removes what the lab created, and nothing else.
 
 What is the lab's: OVS bridges and root-namespace links whose names follow the
-lab's own scheme (fl-<role><n>, fl-<role><n>-eth<p>), network namespaces
+lab's own scheme (fl-<role><n>, fl-<role><n>-eth<p>; a fabric across machines' tunnel
+bridge fl-tun and its veth ends fl-x<key>: lab/kernel/tunnel.py), network namespaces
 named fl-*, the BPF maps pinned under /sys/fs/bpf/fl-dataplane (the programs go
 with the links they are attached to), the root namespace's nftables table fl_gray
 (a gray failure's burst loss, lab/kernel/impair.py), /sys/kernel/rcu_expedited
@@ -20,13 +21,14 @@ import time
 from shutil import which
 
 from lab.core import state
-from lab.kernel import dataplane, impair, ovs, rcu
+from lab.kernel import dataplane, impair, ovs, rcu, tunnel
 from topologies.base import ROLE_CODES
 from topologies.fabric import NAME_PREFIX
 
 _ROLES = "|".join(ROLE_CODES.values())
-LAB_BRIDGE = re.compile(rf"^{re.escape(NAME_PREFIX)}(?:{_ROLES})\d+$")
-LAB_LINK = re.compile(rf"^{re.escape(NAME_PREFIX)}(?:{_ROLES})\d+(?:-eth\d+)?$")
+LAB_BRIDGE = re.compile(rf"^{re.escape(NAME_PREFIX)}(?:{_ROLES})\d+$|^{re.escape(tunnel.BRIDGE)}$")
+LAB_LINK = re.compile(rf"^{re.escape(NAME_PREFIX)}(?:{_ROLES})\d+(?:-eth\d+)?$"
+                      rf"|^{re.escape(tunnel.STUB_PREFIX)}\d+$")
 LAB_NETNS = re.compile(rf"^{re.escape(NAME_PREFIX)}[a-z0-9-]+$")
 # The kernel device group of every link end the lab keeps in the root namespace (switch
 # ports): `ip link delete group` unregisters them all, with their veth peers, in one

@@ -19,9 +19,9 @@ from topologies.fabric import Fabric
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
+def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         return s.getsockname()[1]
 
 
@@ -31,14 +31,18 @@ RUNTIMES = ("os-ken", "ryu")
 class Controller:
     """The controller apps (controllers/) for one fabric, on os-ken or on Ryu."""
 
-    def __init__(self, fabric: Fabric, workdir: Path, runtime: str = "os-ken"):
+    def __init__(self, fabric: Fabric, workdir: Path, runtime: str = "os-ken",
+                 listen_ip: str = "127.0.0.1"):
+        """listen_ip: loopback, or the address the machines of a cluster reach this
+        one at (lab/cluster.py): every machine's switches connect to this controller."""
         if runtime not in RUNTIMES:
             raise LabError(f"unknown controller runtime {runtime!r}; choose one of "
                            f"{', '.join(RUNTIMES)}")
         self.runtime = runtime
         self.fabric = fabric
         self.workdir = Path(workdir)
-        self.port = free_port()
+        self.listen_ip = listen_ip
+        self.port = free_port(listen_ip)
         self.fabric_file = self.workdir / "fabric.json"
         self.status_file = self.workdir / "controller.status"
         self.congestion_file = self.workdir / protocol.CONFIG_FILE
@@ -58,6 +62,7 @@ class Controller:
         marker = f"--status {self.status_file}"
         interpreter = sys.executable if self.runtime == "os-ken" else str(ryu.ensure())
         cmd = [interpreter, "-m", "controllers.launch", "--port", str(self.port),
+               "--listen-host", self.listen_ip,
                "--fabric", str(self.fabric_file), "--status", str(self.status_file),
                "--congestion", str(self.congestion_file), "--runtime", self.runtime]
         with open(self.log_file, "w") as log:
@@ -73,18 +78,21 @@ class Controller:
         while time.monotonic() < deadline:
             self._check_alive()
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.listen_ip, self.port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.1)
-        raise LabError(f"the controller did not listen on 127.0.0.1:{self.port} within "
+        raise LabError(f"the controller did not listen on {self.listen_ip}:{self.port} within "
                        f"{timeout_s:.0f} s; see {self.log_file}")
 
-    def wait_programmed(self, timeout_s: float, reconnect_after_s: float = 20.0) -> None:
-        """Wait until the controller has programmed every switch (barrier-confirmed).
-        A switch still missing after `reconnect_after_s` is made to reconnect, once: under
-        a software CPU (the lab VM) a handshake was seen to stall for good."""
-        want = {sw.dpid for sw in self.fabric.switches}
+    def wait_programmed(self, timeout_s: float, reconnect_after_s: float = 20.0,
+                        switches=None) -> None:
+        """Wait until the controller has programmed every switch (barrier-confirmed), or
+        those of `switches` (a cluster's machine: its own). A switch still missing after
+        `reconnect_after_s` is made to reconnect, once: under a software CPU (the lab VM)
+        a handshake was seen to stall for good."""
+        switches = self.fabric.switches if switches is None else switches
+        want = {sw.dpid for sw in switches}
         start = time.monotonic()
         deadline = start + timeout_s
         reconnected = False
@@ -93,7 +101,7 @@ class Controller:
             done = {int(x) for x in self.status_file.read_text().split()}
             if want <= done:
                 return
-            missing = sorted(sw.name for sw in self.fabric.switches if sw.dpid not in done)
+            missing = sorted(sw.name for sw in switches if sw.dpid not in done)
             if not reconnected and time.monotonic() > start + reconnect_after_s:
                 self.reconnect(missing)
                 reconnected = True
@@ -104,7 +112,7 @@ class Controller:
             time.sleep(0.05)
 
     def reconnect(self, switches: list[str]) -> None:
-        target = f"tcp:127.0.0.1:{self.port}"
+        target = f"tcp:{self.listen_ip}:{self.port}"
         for name in switches:
             subprocess.run(["ovs-vsctl", "del-controller", name], capture_output=True)
             subprocess.run(["ovs-vsctl", "set-controller", name, target], capture_output=True)

@@ -13,6 +13,7 @@ import codecs
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -21,13 +22,16 @@ from mininet.link import Intf, Link
 from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import Host, OVSSwitch, RemoteController
+from mininet.topo import Topo
 
 from lab.core import state
 from lab.core.errors import LabError, Terminated
 from lab.fabric import cleanup
 from lab.fabric.controller import Controller
-from lab.kernel import dataplane, ovs, queues, rcu
+from lab.kernel import dataplane, ovs, queues, rcu, tunnel
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
+from topologies.fabric import interface_name
+from topologies.partition import Partition
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +112,46 @@ class LabController(RemoteController):
         pass
 
 
+@dataclass
+class MachinePart:
+    """This machine's share of a fabric spread over machines (lab/cluster.py): what it
+    builds, where the others are, and the one controller every machine's switches use."""
+    partition: Partition
+    machine: int
+    addresses: dict[int, str]     # machine -> its address on the network between them
+    controller: tuple[str, int] | None    # (address, port) of the controller; None: it
+                                          # runs here, on this machine's address
+
+    @property
+    def crossings(self):
+        return [c for c in self.partition.crossings if self.machine in c.machines]
+
+    def topo(self, topo: FabricTopo) -> Topo:
+        """`topo`'s nodes and links on this machine. A crossing link's switch port is
+        made apart (tunnel.make_stubs), since its far end is not here."""
+        mine = self.partition.nodes(self.machine)
+        out = Topo()
+        for name in topo.nodes(sort=False):
+            if name in mine:
+                out.addNode(name, **topo.nodeInfo(name))
+        for a, b, info in topo.links(withInfo=True):
+            if a in mine and b in mine:
+                out.addLink(**info)
+        return out
+
+
 class FabricNetwork:
     def __init__(self, topo: FabricTopo, workdir: Path, queue_params=None,
                  verbose: bool = False, controller_runtime: str = "os-ken",
-                 machine_factor: float = 1.0, use_dataplane: bool = True):
+                 machine_factor: float = 1.0, use_dataplane: bool = True,
+                 part: MachinePart | None = None):
+        """part: this machine's share of a fabric over several machines; its switches
+        use the controller that part names, or the one this network runs for the whole
+        fabric on its cluster address (the head's: part.controller None)."""
         self.topo = topo
+        self.part = part
         self.machine_factor = machine_factor   # lab/fabric/calibrate.py: < 1 on a slower machine
-        self.fabric = topo.fabric
+        self.fabric = topo.fabric if part is None else part.partition.local(part.machine)
         self.workdir = Path(workdir)
         self.queue_params = queue_params or queues.QueueParams()
         self.verbose = verbose
@@ -151,8 +188,18 @@ class FabricNetwork:
         self.datapath = ovs.ensure_running()
         setLogLevel("info" if self.verbose else "warning")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.controller = Controller(self.fabric, self.workdir, self.controller_runtime)
-        self.controller.launch()
+        if self.part is not None:
+            tunnel.check(self.datapath, {m: ip for m, ip in self.part.addresses.items()
+                                         if m != self.part.machine}, queues.MAX_FRAME_BYTES)
+        if self.part is None or self.part.controller is None:
+            # the controller programs the whole fabric, every machine's switches
+            full, listen = (self.fabric, "127.0.0.1") if self.part is None else \
+                (self.part.partition.fabric, self.part.addresses[self.part.machine])
+            self.controller = Controller(full, self.workdir, self.controller_runtime, listen)
+            self.controller.launch()
+            controller_ip, controller_port = listen, self.controller.port
+        else:
+            controller_ip, controller_port = self.part.controller
         log.info(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
                  f"{self.controller_runtime} controller)")
         # batch: Mininet creates the bridges in a few ovs-vsctl runs of its own (its
@@ -162,17 +209,21 @@ class FabricNetwork:
         # or the whole bridge when the cut fell mid-option (the 1024-host leaf-spine)
         switch = partial(OVSSwitch, datapath="user" if self.datapath == "user" else "kernel",
                          protocols="OpenFlow15", failMode="secure", batch=True)
-        controller = partial(LabController, ip="127.0.0.1", port=self.controller.port)
-        self.mininet = Mininet(topo=self.topo, host=FabricHost, switch=switch,
+        controller = partial(LabController, ip=controller_ip, port=controller_port)
+        self.mininet = Mininet(topo=self.topo if self.part is None else self.part.topo(self.topo),
+                               host=FabricHost, switch=switch,
                                controller=controller, link=Link, intf=FabricIntf, autoSetMacs=False,
                                autoStaticArp=False, build=False, waitConnected=False)
         self.mininet.build()
+        if self.part is not None:
+            self.add_crossing_ports()
         self.timings["namespaces_links_s"] = time.monotonic() - t0    # Mininet: hosts, veths, bridges
         for host in self.mininet.hosts:
             state.record_process(host.pid, f"mininet:{host.name}", "host")
         # the switches connect as they start: the controller listens by then, or they
         # back off (OVS waits up to 8 s between attempts)
-        self.controller.wait_listening()
+        if self.controller is not None:
+            self.controller.wait_listening()
         t1 = time.monotonic()
         self.mininet.start()
         self.check_switch_ports()
@@ -187,20 +238,40 @@ class FabricNetwork:
         self.timings["queues_s"] = time.monotonic() - t1
         t1 = time.monotonic()
         self.dataplane_missing = dataplane.unavailable() if self.use_dataplane else "turned off"
+        if self.part is not None and self.dataplane_missing is None:
+            # its programs count a queue's departures at the link's far end, which for a
+            # crossing link is on another machine
+            self.dataplane_missing = "a fabric across machines: not yet over its tunnels"
         if self.dataplane_missing is None:
             self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params)
         elif self.use_dataplane:
             log.warning(f"no per-packet BPF data path here ({self.dataplane_missing}): "
                         f"ECN and PFC fall back to the controller's queue sampling")
         self.timings["dataplane_s"] = time.monotonic() - t1
+        if self.controller is None:    # the head's controller programs these (lab/cluster.py)
+            self.timings["ready_s"] = time.monotonic() - t0
+            return
         t1 = time.monotonic()
         # generous: under a software CPU (the lab VM) a switch may take half a minute
-        self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches))
+        self.controller.wait_programmed(timeout_s=90 + 0.2 * len(self.fabric.switches),
+                                        switches=self.fabric.switches)
         self.timings["programming_s"] = time.monotonic() - t1
-        self.controller.enable_rerouting()
+        if self.part is None:          # a cluster's head turns it on once all are up
+            self.controller.enable_rerouting()
         if self.datapath == "user":
             self.lift_ovs_send_buffer()
         self.timings["ready_s"] = time.monotonic() - t0
+
+    def add_crossing_ports(self) -> None:
+        """The switch ports of the links to other machines: veths whose far ends go into
+        the tunnel bridge (lab/kernel/tunnel.py), given to their Mininet switches before
+        these start, so OVS adds them with the rest, at their port numbers."""
+        crossings = self.part.crossings
+        tunnel.make_stubs(crossings, self.part.machine, cleanup.LINK_GROUP)
+        tunnel.build_bridge(crossings, self.part.machine, self.part.addresses)
+        for c in crossings:
+            switch, port = c.local_end(self.part.machine)
+            FabricIntf(interface_name(switch, port), node=self.mininet[switch], port=port)
 
     def check_switch_ports(self) -> None:
         """Every switch port is in OVS: Mininet does not check what ovs-vsctl did."""
@@ -273,7 +344,8 @@ class FabricNetwork:
         then the nodes' shells end."""
         net = self.mininet
         t0 = time.monotonic()
-        ovs.delete_bridges([sw.name for sw in net.switches])
+        ovs.delete_bridges([sw.name for sw in net.switches]
+                           + ([tunnel.BRIDGE] if self.part is not None else []))
         t1 = time.monotonic()
         cleanup.delete_links()
         t2 = time.monotonic()

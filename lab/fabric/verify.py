@@ -96,11 +96,14 @@ def sample(pairs: list[ProbePair], per_host: int, seed: int = 1) -> list[ProbePa
 
 
 def measure(fabric: Fabric, host_pids: dict[str, int], tries: int = 3,
-            per_host: int | None = None) -> Reachability:
-    """Every pair, or `per_host` random destinations of each host (sample())."""
+            per_host: int | None = None, sources: set[str] | None = None) -> Reachability:
+    """Every pair, or `per_host` random destinations of each host (sample()); only those
+    from `sources` if given (a cluster's machine probes from its own hosts)."""
     pairs = pairs_to_probe(fabric)
     if per_host is not None:
         pairs = sample(pairs, per_host)
+    if sources is not None:
+        pairs = [p for p in pairs if p.src in sources]
     results = probe([(p.src, p.dst, p.dst_ip) for p in pairs], host_pids, tries=tries,
                     rate_pps=RATE_PPS, max_tries=MAX_TRIES)
     return Reachability(pairs, results)

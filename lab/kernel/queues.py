@@ -234,11 +234,16 @@ def host_interfaces(fabric: Fabric, host: str) -> list[str]:
 
 
 def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
-    """host name (None for the root namespace, where switch ports live) -> tc batch lines."""
+    """host name (None for the root namespace, where switch ports live) -> tc batch lines.
+    A link end whose node is not in `fabric` is another machine's (one machine's part of
+    a fabric across machines: topologies/partition.py), configured there."""
     hosts = {h.name for h in fabric.hosts}
+    switches = {s.name for s in fabric.switches}
     batches: dict[str | None, list[str]] = {}
     for ln in fabric.links:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
+            if node not in hosts and node not in switches:
+                continue
             intf = interface_name(node, port)
             batches.setdefault(node if node in hosts else None, []).extend(
                 port_commands(intf, ln.rate_mbps, q, host=node in hosts))

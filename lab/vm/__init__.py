@@ -67,6 +67,9 @@ def _vm_options(p, timeout: bool = True) -> None:
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--accel", choices=["auto", "kvm", "tcg"], default="auto",
                    help="auto: KVM when it boots the kernel, else the software CPU")
+    p.add_argument("--nic", metavar="NETDEV", help="a NIC (the guest's eth0) on this qemu "
+                   "-netdev, e.g. socket,listen=127.0.0.1:7100 in one VM and "
+                   "socket,connect=127.0.0.1:7100 in another: a network between two lab VMs")
 
 
 def _options(args):
@@ -77,7 +80,7 @@ def _options(args):
     if timeout is not None and timeout <= 0:
         raise UsageError("--timeout must be a positive number of minutes")
     return VMOptions(memory_mb=args.memory_mb, cpus=args.cpus, accel=args.accel,
-                     timeout_s=(timeout or 30) * 60)
+                     timeout_s=(timeout or 30) * 60, nic=args.nic)
 
 
 def _image(rebuild: bool = False):

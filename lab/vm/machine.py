@@ -8,6 +8,7 @@ what is written to the shared tree.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +40,8 @@ class VMOptions:
     timeout_s: float = 30 * 60
     accel: str = "auto"        # "kvm", "tcg", or "auto": KVM when it really works
     nice: int = 10             # the host keeps some CPU for its own work
+    nic: str | None = None     # a qemu -netdev spec: one virtio NIC on it, the guest's eth0
+                               # (a network between lab VMs: a cluster)
 
 
 # --- accelerator ------------------------------------------------------------------------
@@ -119,7 +122,16 @@ def _qemu(img: Image, accel: str, ctl: Path, opts: VMOptions, serial: str) -> li
         "-device", "virtio-rng-pci",
         "-virtfs", f"local,path={image.REPO},mount_tag=fabriclab,security_model=none,id=tree",
         "-virtfs", f"local,path={ctl},mount_tag=fabriclab-ctl,security_model=none,id=ctl",
+        *(_nic(opts.nic) if opts.nic else []),
     ]
+
+
+def _nic(netdev: str) -> list[str]:
+    """A virtio NIC on `netdev`, with a MAC of its own (two VMs on one network differ
+    in their netdev specs: one listens, the other connects)."""
+    digest = hashlib.sha256(netdev.encode()).digest()
+    mac = "52:54:00:" + ":".join(f"{b:02x}" for b in digest[:3])
+    return ["-netdev", f"{netdev},id=n0", "-device", f"virtio-net-pci,netdev=n0,mac={mac}"]
 
 
 def run(img: Image, command: str, opts: VMOptions, out=None) -> RunResult:

@@ -1,0 +1,105 @@
+"""Two lab VMs on one host, joined by a virtual network: a cluster to test the lab's
+fabric across machines (lab/cluster.py) on one machine.
+
+qemu's socket netdev links their NICs over a TCP connection on loopback (machine 1's
+qemu listens, machine 0's connects: nothing leaves the host). Each guest's eth0 gets
+10.99.0.<machine + 1>/24 and MTU 9000 (a full fabric frame in VXLAN needs 1550). Each VM
+is a `fabriclab vm run` of its own, in a process group this module starts and, if it
+outlives the other, stops.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from lab.core.errors import LabError
+from lab.vm.image import REPO
+
+SUBNET = "10.99.0"
+MTU = 9000
+LINGER_S = 120      # how long machine 1 may run on once machine 0 is done
+
+
+def address(machine: int) -> str:
+    return f"{SUBNET}.{machine + 1}"
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    lines: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(machine: int, netdev: str, command: str, timeout_min: float) -> subprocess.Popen:
+    guest = (f"ip link set dev eth0 mtu {MTU} up && "
+             f"ip addr add {address(machine)}/24 dev eth0 && {command}")
+    return subprocess.Popen([sys.executable, "-m", "lab", "vm", "run", "--timeout",
+                             str(timeout_min), "--nic", netdev, "--", guest],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until a socket listens on loopback `port` (/proc/net/tcp: a connection to find out
+    would be taken for the other VM's), or `proc` ended."""
+    deadline = time.monotonic() + timeout_s
+    want = f":{port:04X} "
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if (local + " ").endswith(want) and state == "0A":    # TCP_LISTEN
+                    return
+        time.sleep(0.2)
+    raise LabError(f"machine 1's VM did not listen on 127.0.0.1:{port} "
+                   f"({'it exited' if proc.poll() is not None else 'timed out'})")
+
+
+def _relay(proc: subprocess.Popen, prefix: str, lines: list[str], echo) -> threading.Thread:
+    def run():
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            lines.append(line)
+            if echo is not None:
+                echo(f"{prefix} {line}")
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def run(head: str, worker: str, timeout_min: float = 30, echo=print) -> tuple[Outcome, Outcome]:
+    """Machine 0 runs `head`, machine 1 runs `worker`; both outcomes once machine 0 is
+    done (machine 1 is given LINGER_S to finish, then stopped). `echo` gets every line
+    of both consoles, prefixed with the machine."""
+    port = _free_port()
+    procs = [None, None]
+    outcomes = (Outcome(-1), Outcome(-1))
+    procs[1] = _start(1, f"socket,listen=127.0.0.1:{port}", worker, timeout_min)
+    threads = [_relay(procs[1], "[machine 1]", outcomes[1].lines, echo)]
+    try:
+        _wait_listening(port, procs[1])      # machine 0's qemu connects as it starts
+        procs[0] = _start(0, f"socket,connect=127.0.0.1:{port}", head, timeout_min)
+        threads.append(_relay(procs[0], "[machine 0]", outcomes[0].lines, echo))
+        outcomes[0].exit_code = procs[0].wait()
+        try:
+            outcomes[1].exit_code = procs[1].wait(timeout=LINGER_S)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        for p in procs:
+            if p is not None and p.poll() is None:
+                subprocess.run(["kill", "--", f"-{p.pid}"])    # its group: started here
+                p.wait()
+        for t in threads:
+            t.join(timeout=5)
+    return outcomes

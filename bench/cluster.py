@@ -4,10 +4,10 @@ tunnels carry the links between the halves (lab/cluster.py).
 
     sudo .venv/bin/python bench/cluster.py [--set spines=4 --set leaves=4 ...]
 
-Machine 1 runs `fabriclab cluster worker --once`; machine 0 `fabriclab cluster
-verify --machines 10.99.0.1,10.99.0.2`: its half with the controller, the worker's
-half, every host pair probed (each machine from its own hosts). Prints both consoles,
-then the verify's lines and the time; exit 0 when every pair was reachable.
+Machine 1 runs `fabriclab cluster worker --once`; machine 0 `fabriclab verify
+--machines 10.99.0.1,10.99.0.2`: its half with the controller, the worker's half,
+every host pair probed (each machine from its own hosts). Prints both consoles, then
+the verify's lines and the time; exit 0 when every pair was reachable.
 """
 import argparse
 import shlex
@@ -26,7 +26,7 @@ def main() -> int:
     sets = " ".join(f"--set {shlex.quote(s)}" for s in args.set)
     t0 = time.monotonic()
     head, worker = pair.run(
-        f"fabriclab cluster verify --machines {pair.address(0)},{pair.address(1)} {sets}",
+        f"fabriclab verify --machines {pair.address(0)},{pair.address(1)} {sets}",
         "fabriclab cluster worker --once", args.timeout,
         echo=lambda line: print(line, flush=True))
     print("\n".join(["", "== cluster bench =="]

@@ -100,18 +100,45 @@ def cmd_verify(args) -> int:
     from lab.fabric import verify
     from lab.session import Session
     topo = topology_from_args(args)
-    with Session(topo, "fabriclab verify", verbose=args.verbose,
-                 controller_runtime=args.controller_runtime) as s:
-        net = s.net
-        print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
-        pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
-        report = verify.measure(net.fabric, pids)
+    if args.machines:
+        with _cluster(topo, args) as c:
+            print(f"fabric ready on {len(args.machines)} machines in "
+                  f"{c.timings['ready_s']:.1f} s; probing all host pairs")
+            report = c.verify()
+        timings = f"torn down in {c.timings['teardown_s']:.1f} s"
+    else:
+        with Session(topo, "fabriclab verify", verbose=args.verbose,
+                     controller_runtime=args.controller_runtime) as s:
+            net = s.net
+            print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
+            pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
+            report = verify.measure(net.fabric, pids)
+        timings = (f"built in {net.timings['build_s']:.1f} s, torn down in "
+                   f"{net.timings['teardown_s']:.1f} s")
     for line in report.lines():
         print(line)
     _warn_wrong_hops(report)
-    print(f"built in {net.timings['build_s']:.1f} s, torn down in "
-          f"{net.timings['teardown_s']:.1f} s")
+    print(timings)
     return 0 if report.reachable == len(report.pairs) else 1
+
+
+def _cluster(topo, args):
+    from lab.cluster import Cluster
+    return Cluster(topo, args.machines, worker_port=args.worker_port,
+                   connect_timeout_s=args.wait,
+                   controller_runtime=getattr(args, "controller_runtime", "os-ken"))
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--machines", metavar="HEAD,ADDR,...",
+                   type=lambda v: [x for x in v.split(",") if x],
+                   help="spread the fabric over machines: this machine's address, then each "
+                        "other's, where `fabriclab cluster worker` runs (README: A fabric "
+                        "across machines)")
+    p.add_argument("--worker-port", type=int, default=6690, metavar="PORT",
+                   help="the workers' TCP port (default 6690)")
+    p.add_argument("--wait", type=float, default=60, metavar="S",
+                   help="with --machines: how long to wait for each worker (default 60)")
 
 
 def _warn_wrong_hops(report) -> None:
@@ -126,20 +153,6 @@ def cmd_cluster_worker(args) -> int:
     from lab.cluster import Worker
     Worker(args.listen, args.port).serve(once=args.once)
     return 0
-
-
-def cmd_cluster_verify(args) -> int:
-    from lab.cluster import Cluster
-    topo = topology_from_args(args)
-    with Cluster(topo, args.machines, worker_port=args.port, connect_timeout_s=args.wait) as c:
-        print(f"fabric ready on {len(args.machines)} machines in "
-              f"{c.timings['ready_s']:.1f} s; probing all host pairs")
-        report = c.verify()
-    for line in report.lines():
-        print(line)
-    _warn_wrong_hops(report)
-    print(f"torn down in {c.timings['teardown_s']:.1f} s")
-    return 0 if report.reachable == len(report.pairs) else 1
 
 
 def cmd_up(args) -> int:
@@ -374,10 +387,12 @@ def cmd_allreduce(args) -> int:
         elems = max(1, int(args.size_mb * 1e6 / 4))
         tensors = [rng.standard_normal(elems).astype(np.float32) for _ in range(args.gpus)]
     topo = collective.fabric_for(len(tensors), args.algorithm)
-    with Session(topo, "fabriclab allreduce") as s:
+    with _cluster(topo, args) if args.machines else Session(topo, "fabriclab allreduce") as s:
+        net = s if args.machines else s.net
+        where = f" on {len(args.machines)} machines" if args.machines else ""
         print(f"all-reduce ({args.algorithm}, {args.transport}) of "
-              f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts")
-        m = collective.run(s.net, tensors, args.transport, algorithm=args.algorithm)
+              f"{tensors[0].nbytes:,} bytes per GPU over {len(tensors)} GPU hosts{where}")
+        m = collective.run(net, tensors, args.transport, algorithm=args.algorithm)
     for host, value, result, err in zip(m["hosts"], tensors, m["results"], m["per_host_error"]):
         if args.values is not None:
             print(f"  {host}: {value[0]:g} -> {result[0]:g}")
@@ -438,6 +453,8 @@ def build_parser() -> Parser:
         add_topology_args(s)
         s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")
         add_runtime_arg(s)
+        if name == "verify":
+            add_cluster_args(s)
         s.set_defaults(func=func)
     sub.add_parser("list", help="the experiments").set_defaults(func=cmd_list)
     r = sub.add_parser("run", help="run an experiment; results in results/NAME-TIME/")
@@ -499,6 +516,7 @@ def build_parser() -> Parser:
     a.add_argument("--algorithm", choices=["ring", "tree", "hier"], default="ring",
                    help="hier: inside each rack over scale-up links, then across racks")
     a.add_argument("--seed", type=int, default=1)
+    add_cluster_args(a)
     a.set_defaults(func=cmd_allreduce)
     ins = sub.add_parser("inspect", help="what a capture (the lab's or real hardware's) shows "
                          "per flow, and the protocol rules it breaks; exit 1 if any")
@@ -535,16 +553,6 @@ def build_parser() -> Parser:
     cw.add_argument("--port", type=int, default=6690, help="TCP port (default 6690)")
     cw.add_argument("--once", action="store_true", help="exit after serving one head")
     cw.set_defaults(func=cmd_cluster_worker)
-    cv = clsub.add_parser("verify", help="build a fabric over the machines, check all-pairs "
-                          "reachability across them, tear it down")
-    cv.add_argument("--machines", required=True, metavar="HEAD,ADDR,...",
-                    type=lambda v: [x for x in v.split(",") if x],
-                    help="this machine's address, then every worker's (comma-separated)")
-    cv.add_argument("--port", type=int, default=6690, help="the workers' port (default 6690)")
-    cv.add_argument("--wait", type=float, default=60, metavar="S",
-                    help="how long to wait for each worker to listen (default 60)")
-    add_topology_args(cv)
-    cv.set_defaults(func=cmd_cluster_verify)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
     sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")
     sm.set_defaults(func=cmd_samples)

@@ -1,7 +1,8 @@
 """A fabric over several machines: the head, and a worker on each other machine.
 
     on every other machine:  fabriclab cluster worker [--listen ADDR] [--port 6690]
-    on the head:             fabriclab cluster verify --machines HEAD,ADDR1,... [--set ...]
+    on the head:             fabriclab verify --machines HEAD,ADDR1,... [--set ...]
+                             fabriclab allreduce --machines HEAD,ADDR1,... --values ...
 
 The head splits the fabric (topologies/partition.py: a leaf with its GPUs stays on one
 machine; only switch-to-switch links cross, each through a VXLAN tunnel of OVS's:
@@ -18,9 +19,14 @@ Head and worker speak JSON, a line per message, over TCP: the head sends
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,7 +94,134 @@ def _pair_rows(results: list[PairResult]) -> list[list]:
     return [[r.src, r.dst, r.dst_ip, r.rtt_ms, r.hops] for r in results]
 
 
+def _send_line(sock: socket.socket, **msg) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _recv_line(sock: socket.socket, timeout_s: float) -> dict | None:
+    """One JSON line read a byte at a time: after it the connection is a raw pipe, and
+    a buffered reader could have taken the pipe's first bytes with the line."""
+    sock.settimeout(timeout_s)
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            byte = sock.recv(1)
+            if not byte:
+                return None
+            line += byte
+    except socket.timeout:
+        return None
+    finally:
+        sock.settimeout(None)
+    return json.loads(line)
+
+
+class RemoteProcess:
+    """A process in a host of another machine, as GpuAgents uses a Popen: its stdin and
+    stdout are one TCP connection to that machine's worker, which started it there
+    (recorded for cleanup there) and relays both; its stderr goes to the worker's log.
+    The connection closing is the process ending, either way."""
+
+    def __init__(self, sock: socket.socket, pid: int, machine: int):
+        self.sock, self.pid, self.machine = sock, pid, machine
+        self.stdin = sock.makefile("w", encoding="utf-8")
+        self.stdout = sock              # read raw (os.read on its fileno) by GpuAgents
+        self.stderr = io.StringIO(f"(its errors are in machine {machine}'s worker output)")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    self.returncode = 0
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Until the connection closes; what the process still wrote is read and dropped
+        (else it would hide the close from poll's peek)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            try:
+                if self.sock.recv(1 << 16, socket.MSG_DONTWAIT) == b"":
+                    self.returncode = 0
+                continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.returncode = 0
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid} on machine {self.machine}",
+                                                timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        """The worker sees the connection close and stops the process."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.returncode = -9
+
+
 # --- a worker -----------------------------------------------------------------------------
+def _refuse(conn: socket.socket, why: str) -> None:
+    try:
+        _send_line(conn, ok=False, error=why)
+    except OSError:
+        pass
+    conn.close()
+
+
+def relay(conn: socket.socket, proc: subprocess.Popen, host: str) -> None:
+    """conn's bytes to proc's stdin, proc's stdout to conn, its stderr to the log; when the
+    head closes, the process's stdin closes (a GPU agent exits then) and it is stopped if
+    it lingers; when the process ends, the connection closes."""
+    def up():
+        try:
+            while data := conn.recv(1 << 16):
+                proc.stdin.write(data)
+                proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+    def errors():
+        for line in proc.stderr:
+            log.warning(f"{host}: {line.decode(errors='replace').rstrip()}")
+
+    threads = [threading.Thread(target=up, daemon=True),
+               threading.Thread(target=errors, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        while data := os.read(proc.stdout.fileno(), 1 << 16):
+            conn.sendall(data)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
+    for t in threads:
+        t.join(timeout=5)
+
+
 class Worker:
     """Serves one head at a time: builds this machine's part when asked, probes from its
     hosts, takes the part down when asked or when the head goes away."""
@@ -101,26 +234,71 @@ class Worker:
         with socket.socket() as server:
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind((self.listen_ip, self.port))
-            server.listen(1)
+            server.listen(64)
             log.info(f"cluster worker listening on {self.listen_ip}:{self.port}")
             while True:
                 conn, addr = server.accept()
-                log.info(f"head {addr[0]} connected")
                 channel = Channel(conn, f"head {addr[0]}")
                 try:
-                    self.handle(channel)
+                    first = channel.receive(timeout_s=30)
+                except (LabError, ValueError):
+                    first = None
+                if first is None or first.get("op") == "attach":
+                    _refuse(conn, "no head has built a part here")
+                    continue
+                log.info(f"head {addr[0]} connected")
+                done = threading.Event()
+                acceptor = threading.Thread(target=self._attachments, args=(server, done),
+                                            daemon=True)
+                acceptor.start()
+                try:
+                    self.handle(channel, first)
                 finally:
+                    done.set()
+                    acceptor.join()
                     self.take_down()
                     channel.close()
                     log.info(f"head {addr[0]} is gone; the part is down")
                 if once:
                     return
 
-    def handle(self, channel: Channel) -> None:
-        while True:
-            msg = channel.receive()
-            if msg is None:
-                return
+    def _attachments(self, server: socket.socket, done: threading.Event) -> None:
+        """While a head is served: its processes' connections, each relayed by a thread of
+        its own; anything else is refused."""
+        server.settimeout(0.5)
+        try:
+            while not done.is_set():
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=self._attach, args=(conn,), daemon=True).start()
+        finally:
+            server.settimeout(None)
+
+    def _attach(self, conn: socket.socket) -> None:
+        """Start a process in one of this part's hosts and relay its stdin and stdout
+        over `conn` until either side ends."""
+        conn.settimeout(None)
+        msg = _recv_line(conn, 30)
+        if msg is None or msg.get("op") != "attach":
+            _refuse(conn, "busy: this worker serves another head")
+            return
+        if self.session is None:
+            _refuse(conn, "no part is up here")
+            return
+        try:
+            proc = self.session.net.popen(msg["host"], [sys.executable, *msg["args"]],
+                                          msg["marker"], msg["kind"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except (KeyError, OSError, LabError) as e:
+            _refuse(conn, f"could not start the process in {msg.get('host')}: {e}")
+            return
+        _send_line(conn, ok=True, pid=proc.pid)
+        relay(conn, proc, msg["host"])
+
+    def handle(self, channel: Channel, msg: dict | None) -> None:
+        while msg is not None:
             op = msg.pop("op", None)
             try:
                 reply = getattr(self, f"op_{op}")(**msg) if hasattr(self, f"op_{op}") \
@@ -130,6 +308,7 @@ class Worker:
             channel.send(**reply)
             if op == "stop":
                 return
+            msg = channel.receive()
 
     def op_build(self, kind: str, params: dict, fabric: dict, machines: int,
                  placement: dict, machine: int, addresses: dict, controller: list) -> dict:
@@ -180,11 +359,13 @@ class Cluster:
     """
 
     def __init__(self, topo: FabricTopo, addresses: list[str], workdir: Path | None = None,
-                 worker_port: int = WORKER_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S):
+                 worker_port: int = WORKER_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 controller_runtime: str = "os-ken"):
         if len(addresses) < 2:
             raise LabError("a cluster needs at least two machines (--machines HEAD,OTHER,...)")
         self.topo, self.addresses, self.worker_port = topo, addresses, worker_port
         self.connect_timeout_s = connect_timeout_s
+        self.controller_runtime = controller_runtime
         self.partition = split(topo.fabric, len(addresses))
         self.workdir = workdir
         self.channels: dict[int, Channel] = {}
@@ -210,7 +391,8 @@ class Cluster:
             self.channels[m] = Channel(self._connect(ip), f"machine {m} ({ip})")
         addresses = dict(enumerate(self.addresses))
         self.session = Session(self.topo, "fabriclab cluster (head)", self.workdir,
-                               part=MachinePart(self.partition, 0, addresses, None)).__enter__()
+                               part=MachinePart(self.partition, 0, addresses, None),
+                               controller_runtime=self.controller_runtime).__enter__()
         self.timings["head_part_s"] = time.monotonic() - t0
         controller = [self.addresses[0], self.net.controller.port]
         build = {"kind": self.topo.kind, "params": self.topo.fabric.params,
@@ -237,6 +419,30 @@ class Cluster:
     def net(self) -> FabricNetwork:
         """The head's own part (with the controller)."""
         return self.session.net
+
+    # --- what GpuAgents and the collectives use of a network ---------------------------------
+    @property
+    def fabric(self):
+        return self.partition.fabric
+
+    dataplane = None     # not across machines yet (lab/fabric/network.py)
+
+    def popen(self, host: str, args: list[str], marker: str, kind: str, **kw):
+        """A process in `host`, on whichever machine has it: here, a Popen; on another
+        machine, a RemoteProcess its worker relays (stdin and stdout as pipes)."""
+        machine = self.partition.placement[host]
+        if machine == 0:
+            return self.net.popen(host, args, marker, kind, **kw)
+        if args[0] != sys.executable:
+            raise LabError(f"only Python processes of the lab run on other machines, not {args[0]}")
+        sock = socket.create_connection((self.addresses[machine], self.worker_port), timeout=10)
+        _send_line(sock, op="attach", host=host, args=args[1:], marker=marker, kind=kind)
+        reply = _recv_line(sock, 60)
+        if reply is None or not reply.get("ok"):
+            sock.close()
+            raise LabError(f"machine {machine} could not start a process in {host}: "
+                           f"{(reply or {}).get('error', 'no answer')}")
+        return RemoteProcess(sock, reply["pid"], machine)
 
     def _connect(self, ip: str) -> socket.socket:
         """The worker at `ip`, waited for: machines started together have their workers

@@ -15,7 +15,7 @@ def _free_port() -> int:
 
 def test_no_worker_is_said_plainly():
     port = _free_port()
-    r = fabriclab("cluster", "verify", "--machines", "127.0.0.1,127.0.0.2", "--port", str(port),
+    r = fabriclab("verify", "--machines", "127.0.0.1,127.0.0.2", "--worker-port", str(port),
                   "--wait", "1", timeout=60)
     assert r.returncode == 1
     assert f"no cluster worker at 127.0.0.2:{port} within 1 s" in r.stderr, r.stderr
@@ -33,8 +33,8 @@ def test_the_userspace_datapath_is_refused_before_building_and_the_worker_lets_g
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env)
     try:
-        r = fabriclab("cluster", "verify", "--machines", "127.0.0.1,127.0.0.1",
-                      "--port", str(port), timeout=120, env=env)
+        r = fabriclab("verify", "--machines", "127.0.0.1,127.0.0.1",
+                      "--worker-port", str(port), timeout=120, env=env)
         assert r.returncode == 1, r.stdout + r.stderr
         assert "needs OVS's kernel datapath" in r.stderr and "lab VM" in r.stderr, r.stderr
         assert "building" not in r.stdout + r.stderr

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controllers.routes import Forward, routes_for
-from lab.core import paths, state
+from lab.core import paths
 from lab.core.errors import LabError
 from lab.fabric.network import FabricNetwork
 from topologies.base import plane_of
@@ -107,7 +107,10 @@ class CollectiveResult:
 class GpuAgents:
     def __init__(self, net: FabricNetwork, hosts: list[str] | None = None,
                  network: str = "scale-out", first_collective_id: int = 1):
-        """first_collective_id: a second set of agents on the same hosts (background
+        """net: a FabricNetwork, or anything with its `fabric`, `dataplane` and `popen`
+        (a fabric across machines: lab/cluster.py, whose agents on other machines are
+        spoken to through their workers).
+        first_collective_id: a second set of agents on the same hosts (background
         traffic) starts far from the first, so their QP numbers never meet (agent.qpn_for)."""
         self.net, self.fabric, self.network = net, net.fabric, network
         self.hosts = [net.fabric.host(h) for h in (hosts or [h.name for h in net.fabric.hosts])]
@@ -132,10 +135,9 @@ class GpuAgents:
             if network == "scale-out":
                 for port in planes(h):
                     args += ["--plane", port.name, port.mac, port.ip, str(port.rate_mbps)]
-            proc = net.mininet[h.name].popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True, bufsize=1)
-            state.record_process(proc.pid, f"--intf {intf.name}", "gpu-agent")
-            self.procs[h.name] = proc
+            self.procs[h.name] = net.popen(h.name, args, f"--intf {intf.name}", "gpu-agent",
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, bufsize=1)
         for h in self.hosts:   # generous: many Python starts on a slow (emulated) CPU
             self._expect(h.name, "hello", timeout_s=120)
             if net.dataplane is not None:
@@ -409,9 +411,9 @@ def iperf3_tcp(net: FabricNetwork, src: str, dst: str, seconds: float = 3,
                streams: int = 1) -> dict:
     """TCP goodput from src to dst with iperf3 (its Python wrapper, in the hosts)."""
     server_ip = net.fabric.host(dst).interface().ip
-    server = net.mininet[dst].popen([sys.executable, "-m", "traffic.tcp", "server"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    state.record_process(server.pid, "traffic.tcp server", "iperf3-server")
+    server = net.popen(dst, [sys.executable, "-m", "traffic.tcp", "server"],
+                       "traffic.tcp server", "iperf3-server",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(0.3)
         client = net.mininet[src].popen([sys.executable, "-m", "traffic.tcp", "client",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import logging
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -355,6 +356,14 @@ class FabricNetwork:
                             teardown_nodes_s=time.monotonic() - t2)
 
     # --- access -------------------------------------------------------------------------
+    def popen(self, host: str, args: list[str], marker: str, kind: str,
+              **kw) -> subprocess.Popen:
+        """A process in `host`'s namespace, recorded by PID for cleanup (`marker`: a part
+        of its command line that tells it is still the lab's)."""
+        proc = self.mininet[host].popen(args, **kw)
+        state.record_process(proc.pid, marker, kind)
+        return proc
+
     def host_pid(self, name: str) -> int:
         if self.mininet is None:
             raise LabError("the fabric is not up")

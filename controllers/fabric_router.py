@@ -38,6 +38,7 @@ import functools
 import ipaddress
 import json
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +50,8 @@ from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
-from controllers.routes import Deliver, Forward, arp_answers, routes_for, without_links
+from controllers.routes import (Deliver, Forward, RerouteSchedule, arp_answers, routes_for,
+                                without_links)
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import (EV_FIELD_BITS, EV_TIER_OF_ROLE, EXPLICIT_EV_BASE,
                                EXPLICIT_EV_MAX_PATHS, MAC_CONTROL_ETHERTYPE,
@@ -133,6 +135,14 @@ class FabricRouter(app_manager.OSKenApp):
         self.datapaths: dict[int, object] = {}
         self.down: set[tuple[str, int]] = set()     # (switch, port) of links that are down
         self.routing_file = Path(conf.fabric_file).with_name("routing.json")
+        # One reroute at a time, on the links as they are when it starts: two at once
+        # (one per port event, as each end of a failed link reports) interleaved their
+        # delete-and-add of a switch's flows, and a reroute computed while links were
+        # still down could land last: the routes of a link that had come back were
+        # gone for good (an all-reduce stalled to its timeout after a plane came back).
+        self.reroute_lock = threading.Lock()
+        self.reroute_running = False
+        self.reroutes = RerouteSchedule()       # on the monotonic clock
 
     # --- one handler per OpenFlow event ------------------------------------------------
     @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
@@ -175,9 +185,14 @@ class FabricRouter(app_manager.OSKenApp):
             self.logger.warning("ignoring a link-down report for %s port %d: the kernel "
                                 "says the link is up", name, msg.desc.port_no)
             return
-        (self.down.add if down else self.down.discard)(key)
         self.routing_event("link_down" if down else "link_up", name, msg.desc.port_no)
-        self.threads.append(hub.spawn(self.reroute, self.reroute_delay_s()))
+        delay_s = self.reroute_delay_s()
+        with self.reroute_lock:
+            (self.down.add if down else self.down.discard)(key)
+            self.reroutes.changed(time.monotonic(), delay_s)
+            start, self.reroute_running = not self.reroute_running, True
+        if start:
+            self.threads.append(hub.spawn(self.reroute))
 
     @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
     @logged
@@ -197,12 +212,25 @@ class FabricRouter(app_manager.OSKenApp):
         except (FileNotFoundError, ValueError, KeyError):
             return 0.0
 
-    def reroute(self, delay_s: float) -> None:
-        hub.sleep(delay_s)
-        self.routes = routes_for(without_links(self.fabric, self.down))
-        for dpid, dp in list(self.datapaths.items()):
-            self.program(dp, self.by_dpid[dpid])
-        self.routing_event("rerouted", "", 0, down=sorted(f"{n}:{p}" for n, p in self.down))
+    def reroute(self) -> None:
+        """Route around the links that are down, whenever a reroute is due
+        (RerouteSchedule), until none is; the only reroute running."""
+        while True:
+            with self.reroute_lock:
+                wait = self.reroutes.wait_s(time.monotonic())
+                if wait is None:
+                    self.reroute_running = False
+                    return
+                if wait == 0:
+                    self.reroutes.start(time.monotonic())
+                    down = set(self.down)
+            if wait > 0:
+                hub.sleep(wait)
+                continue
+            self.routes = routes_for(without_links(self.fabric, down))
+            for dpid, dp in list(self.datapaths.items()):
+                self.program(dp, self.by_dpid[dpid])
+            self.routing_event("rerouted", "", 0, down=sorted(f"{n}:{p}" for n, p in down))
 
     def routing_event(self, kind: str, switch: str, port: int, **more) -> None:
         self.logger.info("%s %s %s %s", kind, switch, port or "", more or "")

@@ -107,3 +107,26 @@ def arp_answers(fabric: Fabric) -> dict[str, list[tuple[str, str, str]]]:
             cidrs.setdefault(intf.switch, set()).add(fabric.subnet_of(intf.ip).cidr)
     return {sw: [(cidr, ip, mac) for cidr in sorted(cs) for ip, mac in table[cidr].items()]
             for sw, cs in cidrs.items()}
+
+
+class RerouteSchedule:
+    """When the routes are computed again after links change: a reroute is due each
+    change's delay after it (the convergence time it stands for) and is computed from
+    the links as they are then; one reroute covers every one due by its start or within
+    merge_s after (both ends of a link report its change, a few ms apart). Times are the
+    caller's clock; the controller runs one reroute at a time over this."""
+
+    def __init__(self, merge_s: float = 0.02):
+        self.merge_s = merge_s
+        self.due: list[float] = []
+
+    def changed(self, now: float, delay_s: float) -> None:
+        self.due.append(now + delay_s)
+
+    def wait_s(self, now: float) -> float | None:
+        """How long until a reroute is due (0: now); None when none is."""
+        return max(0.0, min(self.due) - now) if self.due else None
+
+    def start(self, now: float) -> None:
+        """A reroute starts at `now`: it covers what is due by now + merge_s."""
+        self.due = [t for t in self.due if t > now + self.merge_s]

@@ -166,3 +166,31 @@ def test_a_sample_of_pairs_keeps_every_source_and_its_count():
     assert len(s) == 16 * 5 and {p.src for p in s} == {h.name for h in f.hosts}
     assert all(p in pairs for p in s) and verify.sample(pairs, 5) == s   # the seed decides
     assert verify.sample(pairs, 100) == pairs          # fewer than asked: all of them
+
+
+def test_reroutes_are_due_each_change_delay_later_and_merge_only_what_is_due():
+    """The controller's reroute schedule (controllers/routes.py): a failed link's two
+    ends report 3 ms apart: one reroute, the delay after the first report, covers both.
+    A flap (a change every 0.2 s, delay 1.5 s): each change still gets a reroute at its
+    own due time, never earlier, so the one after the last change comes 1.5 s after it
+    (link-failure's settle_routes waits for that one)."""
+    from controllers.routes import RerouteSchedule
+    s = RerouteSchedule(merge_s=0.02)
+    assert s.wait_s(0.0) is None
+    s.changed(10.000, 0.0)
+    s.changed(10.003, 0.0)
+    assert s.wait_s(10.000) == 0
+    s.start(10.000)
+    assert s.wait_s(10.004) is None          # both reports in one reroute
+    changes = [20.0 + 0.2 * i for i in range(5)]
+    starts = []
+    now = 20.0
+    for t in changes:
+        s.changed(t, 1.5)
+    while (wait := s.wait_s(now)) is not None:
+        now += wait
+        starts.append(round(now, 3))
+        s.start(now)
+        now += 0.1                            # programming every switch takes a while
+    assert starts == [21.5, 21.7, 21.9, 22.1, 22.3]
+    assert starts[-1] >= changes[-1] + 1.5

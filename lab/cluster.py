@@ -10,12 +10,16 @@ lab/kernel/tunnel.py), builds its own part with the one controller, listening on
 cluster address, then asks each worker to build its part (the same topology from the
 same parameters, checked equal there) with its switches connecting to that
 controller, and waits until the controller has programmed every machine's switches.
-A verify probes every pair: each machine those whose source is its own. Each machine
+A verify probes every pair: each machine those whose source is its own. A collective
+runs a GPU agent in every host: the head starts the other machines' agents through
+their workers, which relay each agent's stdin and stdout over a TCP connection of its
+own (RemoteProcess), so GpuAgents drives them as it drives the head's. Each machine
 takes its part down itself, also when the head's connection drops.
 
-Head and worker speak JSON, a line per message, over TCP: the head sends
-{"op": ...}; the worker answers each with {"ok": true, ...} or {"ok": false,
-"error": "..."}.
+Head and worker speak JSON, a line per message, over TCP: on the head's connection the
+head sends {"op": ...} and the worker answers each with {"ok": true, ...} or {"ok":
+false, "error": "..."}; a process's connection starts with one such exchange ("attach")
+and is a raw pipe after it.
 """
 from __future__ import annotations
 

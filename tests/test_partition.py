@@ -114,3 +114,14 @@ def test_a_machine_configures_and_builds_only_its_own_part():
         assert all(a in mine and b in mine for a, b in built.links())
         assert len(built.links()) == len([ln for ln in topo.fabric.links
                                           if ln.a in mine and ln.b in mine])
+
+
+def test_the_tunnel_bridge_and_its_stubs_are_lab_objects_and_nothing_else():
+    """`fabriclab clean` and teardown's sweep remove fl-tun and the fl-x<key> veth ends
+    (lab/fabric/cleanup.py), and no name merely like them."""
+    from lab.fabric import cleanup
+    assert cleanup.LAB_BRIDGE.match(tunnel.BRIDGE)
+    assert cleanup.LAB_LINK.match(tunnel.stub_name(1)) and cleanup.LAB_LINK.match(
+        tunnel.stub_name(MAX_KEY := (1 << 24) - 1)), MAX_KEY
+    for other in ("fl-tunnel", "fl-tun0", "fl-x", "fl-xy1", "fl-x1-eth0", "vxlan_sys_4789"):
+        assert not cleanup.LAB_BRIDGE.match(other) and not cleanup.LAB_LINK.match(other), other

@@ -124,8 +124,9 @@ def cmd_verify(args) -> int:
 
 def _cluster(topo, args):
     from lab.cluster import Cluster
-    return Cluster(topo, args.machines, worker_port=args.worker_port,
-                   connect_timeout_s=args.wait,
+    given = {k: v for k, v in (("worker_port", args.worker_port),
+                               ("connect_timeout_s", args.wait)) if v is not None}
+    return Cluster(topo, args.machines, **given,
                    controller_runtime=getattr(args, "controller_runtime", "os-ken"))
 
 
@@ -135,10 +136,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="spread the fabric over machines: this machine's address, then each "
                         "other's, where `fabriclab cluster worker` runs (README: A fabric "
                         "across machines)")
-    p.add_argument("--worker-port", type=int, default=6690, metavar="PORT",
-                   help="the workers' TCP port (default 6690)")
-    p.add_argument("--wait", type=float, default=60, metavar="S",
-                   help="with --machines: how long to wait for each worker (default 60)")
+    p.add_argument("--worker-port", type=int, metavar="PORT",
+                   help="the workers' TCP port (default: the worker's default)")
+    p.add_argument("--wait", type=float, metavar="S",
+                   help="with --machines: how long to wait for each worker to listen")
 
 
 def _warn_wrong_hops(report) -> None:
@@ -151,7 +152,7 @@ def _warn_wrong_hops(report) -> None:
 
 def cmd_cluster_worker(args) -> int:
     from lab.cluster import Worker
-    Worker(args.listen, args.port).serve(once=args.once)
+    Worker(args.listen, *([args.port] if args.port is not None else [])).serve(once=args.once)
     return 0
 
 
@@ -550,7 +551,7 @@ def build_parser() -> Parser:
                           "when asked, take it down when the head is done or gone")
     cw.add_argument("--listen", default="0.0.0.0", metavar="ADDR",
                     help="the address to listen on (default every address)")
-    cw.add_argument("--port", type=int, default=6690, help="TCP port (default 6690)")
+    cw.add_argument("--port", type=int, help="TCP port (default 6690)")
     cw.add_argument("--once", action="store_true", help="exit after serving one head")
     cw.set_defaults(func=cmd_cluster_worker)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")

@@ -3,10 +3,13 @@ what the tests hold metrics.json against. Each pcap is read once (one tshark), i
 rows of the fields the checks need."""
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT, Opcode
@@ -118,3 +121,51 @@ class RunCaptures:
 
     def count(self, intfs, span: list[float], keep) -> int:
         return len(self.within(intfs, span, keep))
+
+
+def queue_looks(queues_csv: Path, queue: str) -> np.ndarray:
+    """One queue ("switch:port:priority") of a run's queues.csv: rows of (t, backlog
+    bytes, backlog packets, packets sent so far)."""
+    where = queue.split(":")
+    with open(queues_csv) as f:
+        rows = [[float(r["t"]), int(r["backlog_bytes"]), int(r["backlog_packets"]),
+                 int(r["sent_packets"])] for r in csv.DictReader(f)
+                if [r["switch"], r["port"], r["priority"]] == where]
+    return np.array(rows).reshape(-1, 4)
+
+
+def marking_curve(looks: np.ndarray, ce_times: list[float], span: list[float], wlog: int,
+                  edges: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """How a queue marked, as the wire shows it: per bin (`edges`, bytes) of RED's
+    average backlog when each packet entered the queue, the packets that left it within
+    `span` and those of them that left CE-marked (`ce_times`: when each was captured
+    leaving). The same for any marker (kernel RED, the BPF data path), so two can be
+    compared on their own traffic.
+
+    RED's average is estimated from the data path's looks (queue_looks; 5 ms periods):
+    avg += (backlog - avg) * 2^-wlog per arrival, the backlog each arrival of a period
+    found taken on the line between the period's start and end. A packet is marked as it
+    enters and captured as it leaves, a queueing delay later (32 ms for 20 KB at 5 Mb/s:
+    longer than the average's own memory), so each departure is traced back to its
+    entry in FIFO order: the k-th packet to leave is the k-th admitted."""
+    t, backlog, queued, sent = looks.T
+    admitted = np.maximum.accumulate(sent + queued).astype(np.int64)
+    kept = 1 - 2.0 ** -wlog
+    base = int(admitted[0])
+    avg_at = np.zeros(int(admitted[-1]) - base + 1)     # by admitted number - base
+    a = 0.0
+    for i in range(1, len(t)):
+        n = int(admitted[i] - admitted[i - 1])
+        for j in range(n):
+            a = a * kept + (backlog[i - 1] + (backlog[i] - backlog[i - 1]) * j / n) * (1 - kept)
+            avg_at[admitted[i - 1] - base + j + 1] = a
+    # the packets that left within the span, by their number (1: the first ever)
+    first, last = np.searchsorted(t, span[0]), np.searchsorted(t, span[1], side="right") - 1
+    left = np.arange(max(base + 1, int(sent[max(0, first - 1)]) + 1), int(sent[last]) + 1)
+    # a captured frame's number: interpolated between the looks around it
+    ce = [x for x in ce_times if span[0] <= x <= span[1]]
+    ce_left = np.ceil(np.interp(ce, t, sent) - 1e-9).astype(np.int64)
+    ce_left = ce_left[ce_left > base]
+    packets, _ = np.histogram(avg_at[left - base], bins=edges)
+    marked, _ = np.histogram(avg_at[ce_left - base], bins=edges)
+    return packets, marked

@@ -84,6 +84,8 @@ from traffic.constants import MAC_CONTROL_ETHERTYPE, PRIORITY_ROCE_DATA, Ecn
 
 cfg.CONF.register_cli_opts([
     cfg.StrOpt("congestion-file", help="ECN/PFC configuration (JSON) written by the lab"),
+    cfg.StrOpt("congestion-fabric-file", help="the switches and hosts this app handles: "
+               "one machine's part of a fabric across machines (default: fabric-file's)"),
 ], group="fabriclab")
 
 MARK_COOKIE = 0xEC   # a marking flow's cookie: MARK_COOKIE << 16 | its port
@@ -163,7 +165,7 @@ class CongestionControl(app_manager.OSKenApp):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         conf = cfg.CONF.fabriclab
-        self.fabric = Fabric.load(conf.fabric_file)
+        self.fabric = Fabric.load(conf.congestion_fabric_file or conf.fabric_file)
         self.config_file = Path(conf.congestion_file) if conf.congestion_file else None
         self.config = CongestionConfig()
         self.config_mtime = 0
@@ -537,7 +539,9 @@ class CongestionControl(app_manager.OSKenApp):
             self.disagreed.pop(key, None)
         if xoff and key not in self.xoff_sent:
             # (a GPU agent's transport stops by itself: no gate to wait for)
-            if not self.table.nic_honours(self.slot_of[port.peer], prio):
+            # (a stub's far end, on another machine, is that machine's to close)
+            peer = self.slot_of[port.peer]
+            if not self.slots[peer].stub and not self.table.nic_honours(peer, prio):
                 self.pausing[key] = (seen or now, {port.peer})
             self.xoff_sent[key] = now
         elif not xoff:

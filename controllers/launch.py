@@ -58,6 +58,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fabric", required=True, help="fabric description JSON")
     ap.add_argument("--status", required=True, help="file the app marks programmed switches in")
     ap.add_argument("--congestion", default="", help="ECN/PFC configuration file (JSON)")
+    ap.add_argument("--congestion-fabric", default="",
+                    help="the congestion app's part of the fabric (JSON; a fabric across "
+                         "machines: this machine's); default: --fabric")
     ap.add_argument("--runtime", choices=["os-ken", "ryu"], default="os-ken")
     ap.add_argument("--app", action="append", help="app module (default: the fabric router)")
     args = ap.parse_args(argv)
@@ -70,7 +73,8 @@ def main(argv=None) -> None:
     cfg.CONF(args=["--ofp-listen-host", args.listen_host, "--ofp-tcp-listen-port", str(args.port),
                    "--fabriclab-fabric-file", args.fabric,
                    "--fabriclab-status-file", args.status,
-                   "--fabriclab-congestion-file", args.congestion],
+                   "--fabriclab-congestion-file", args.congestion,
+                   "--fabriclab-congestion-fabric-file", args.congestion_fabric],
              project=project)
     log.init_log()
     # The congestion app's sampling thread must not wait for the interpreter lock

@@ -13,8 +13,12 @@ controller, and waits until the controller has programmed every machine's switch
 A verify probes every pair: each machine those whose source is its own. A collective
 runs a GPU agent in every host: the head starts the other machines' agents through
 their workers, which relay each agent's stdin and stdout over a TCP connection of its
-own (RemoteProcess), so GpuAgents drives them as it drives the head's. Each machine
-takes its part down itself, also when the head's connection drops.
+own (RemoteProcess), so GpuAgents drives them as it drives the head's. ECN and PFC
+are each machine's own, as a switch's are: its BPF data path on its ports (a crossing
+link's departures counted at its stub) and its congestion app over its part, configured
+by the head (Cluster.set_congestion) and read back (read_state); a PFC frame crosses the
+tunnel like any frame and is honoured where it arrives. Each machine takes its part
+down itself, also when the head's connection drops.
 
 Head and worker speak JSON, a line per message, over TCP: on the head's connection the
 head sends {"op": ...} and the worker answers each with {"ok": true, ...} or {"ok":
@@ -23,6 +27,7 @@ and is a raw pipe after it.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -35,7 +40,8 @@ import time
 from pathlib import Path
 
 from lab.core.errors import LabError
-from lab.fabric import verify
+from lab.fabric import congestion, verify
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.network import FabricNetwork, MachinePart
 from lab.kernel.probe import PairResult
 from lab.session import Session
@@ -334,6 +340,32 @@ class Worker:
             raise LabError("this worker has no part up")
         return {"ok": True, "results": _pair_rows(_probe_local(self.session.net, tries))}
 
+    def op_congestion(self, params: dict) -> dict:
+        """ECN and PFC on this machine's part: its congestion app, its queues."""
+        return {"ok": True, "ecn": congestion.set_congestion(self._net(),
+                                                             CongestionParams(**params))}
+
+    def op_state(self) -> dict:
+        """This machine's congestion app's state (counters per port and priority...)."""
+        return {"ok": True, "state": congestion.read_state(self._net())}
+
+    def op_queues(self, prio: int) -> dict:
+        """This machine's data path counters of priority `prio`, per switch port."""
+        return {"ok": True, "queues": _queue_counters(self._net(), prio)}
+
+    def op_honours(self, host: str, on: bool) -> dict:
+        """A GPU agent's transport in `host` honours pauses itself (or no longer): as on
+        one machine (lab/fabric/gpus.py), its NIC's flag in this machine's data path."""
+        net = self._net()
+        if net.dataplane is not None:
+            net.dataplane.transport_honours_pauses(host, on)
+        return {"ok": True}
+
+    def _net(self) -> FabricNetwork:
+        if self.session is None:
+            raise LabError("this worker has no part up")
+        return self.session.net
+
     def op_stop(self) -> dict:
         timings = self.take_down()
         return {"ok": True, "timings": timings}
@@ -348,6 +380,17 @@ class Worker:
             self.session = None
 
 
+def _queue_counters(net: FabricNetwork, prio: int) -> dict[str, dict]:
+    """The data path's counters of `prio` on this machine's switch ports, by
+    "switch:port" (what entered the switch there, what its queue admitted, sent and
+    dropped): {} without the data path."""
+    dp = net.dataplane
+    if dp is None:
+        return {}
+    return {f"{s.node}:{s.port}": dp.table.counters(i, prio)
+            for i, s in enumerate(dp.slots) if s.switch}
+
+
 def _probe_local(net: FabricNetwork, tries: int) -> list[PairResult]:
     """The pairs whose source is on this machine, probed here, over the whole fabric."""
     pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
@@ -355,6 +398,16 @@ def _probe_local(net: FabricNetwork, tries: int) -> list[PairResult]:
 
 
 # --- the head -------------------------------------------------------------------------------
+class _ClusterDataplane:
+    """GpuAgents' view of a cluster's data paths: a host's NIC flag is set on its machine."""
+
+    def __init__(self, cluster: "Cluster"):
+        self.cluster = cluster
+
+    def transport_honours_pauses(self, host: str, on: bool) -> None:
+        self.cluster.honours(host, on)
+
+
 class Cluster:
     """The head's view: its own part and a channel to each worker.
 
@@ -429,7 +482,71 @@ class Cluster:
     def fabric(self):
         return self.partition.fabric
 
-    dataplane = None     # not across machines yet (lab/fabric/network.py)
+    @property
+    def dataplane(self):
+        """What GpuAgents asks of a data path: each machine has its own (its queues, the
+        crossing links' departures counted at their stubs); None where the head has none
+        (then neither have the others: the same kernel features are needed)."""
+        return None if self.net.dataplane is None else _ClusterDataplane(self)
+
+    def set_congestion(self, params: CongestionParams) -> str:
+        """ECN and PFC on every machine, each by its own congestion app over its part
+        (a PFC frame crossing to another machine is honoured there, as it arrives);
+        returns the ECN mode, the same everywhere."""
+        if self.net.dataplane is None and (params.pfc or params.ecn not in ("off", "red")):
+            raise LabError("ECN and PFC across machines need the BPF data path on every "
+                           f"machine ({self.net.dataplane_missing}): without it the "
+                           "congestion app samples the queues and marks through OpenFlow, "
+                           "and the other machines' switches answer the head's controller")
+        for channel in self.channels.values():
+            channel.send(op="congestion", params=dataclasses.asdict(params))
+        modes = {0: congestion.set_congestion(self.net, params)}
+        for m, channel in self.channels.items():
+            modes[m] = self._answer(channel, "could not set ECN and PFC")["ecn"]
+        if len(set(modes.values())) > 1:
+            raise LabError(f"the machines resolved ECN mode {params.ecn!r} differently "
+                           f"({modes}): give one explicitly (ecn=bpf, red or controller)")
+        return modes[0]
+
+    def read_state(self) -> dict:
+        """Every machine's congestion state: the counters of all ports together (each
+        port is one machine's), and each machine's whole state by its index."""
+        for channel in self.channels.values():
+            channel.send(op="state")
+        states = {0: congestion.read_state(self.net)}
+        for m, channel in self.channels.items():
+            states[m] = self._answer(channel, "could not read its congestion state")["state"]
+        counters = {}
+        for state in states.values():
+            counters.update(state.get("counters", {}))
+        return {"counters": counters, "machines": states}
+
+    def queue_counters(self, prio: int) -> dict[str, dict]:
+        """Every machine's data path counters of `prio`, per switch port ("switch:port":
+        each port is one machine's)."""
+        for channel in self.channels.values():
+            channel.send(op="queues", prio=prio)
+        out = _queue_counters(self.net, prio)
+        for channel in self.channels.values():
+            out.update(self._answer(channel, "could not read its data path")["queues"])
+        return out
+
+    def honours(self, host: str, on: bool) -> None:
+        machine = self.partition.placement[host]
+        if machine == 0:
+            self.net.dataplane.transport_honours_pauses(host, on)
+        else:
+            channel = self.channels[machine]
+            channel.send(op="honours", host=host, on=on)
+            self._answer(channel, f"could not flag {host}'s NIC")
+
+    @staticmethod
+    def _answer(channel: "Channel", what: str) -> dict:
+        reply = channel.receive(BUILD_TIMEOUT_S)
+        if reply is None or not reply.get("ok"):
+            raise LabError(f"{channel.peer} {what}: "
+                           f"{(reply or {}).get('error', 'the connection closed')}")
+        return reply
 
     def popen(self, host: str, args: list[str], marker: str, kind: str, **kw):
         """A process in `host`, on whichever machine has it: here, a Popen; on another

@@ -48,7 +48,7 @@ class Session:
             self.net = FabricNetwork(self.topo, self.workdir, **self.network).__enter__()
             if self.want_telemetry:
                 self.telemetry = QueueTelemetry(
-                    self.topo.fabric, self.workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
+                    self.net.fabric, self.workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
                     controller_state=self.net.controller.workdir / protocol.STATE_FILE)
                 self.telemetry.start()
         except BaseException:

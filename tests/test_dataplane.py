@@ -6,6 +6,7 @@ formed). What the programs count
 is held against the wire (a capture at the far end) and against the kernel's qdisc."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -86,10 +87,10 @@ class Programs:
             m.pin(pin_dir / name)
 
     def attach(self, pid: int, intf: str, section: str, slot: int,
-               peer: int = dataplane.NO_SLOT, switch: bool = False) -> None:
+               peer: int = dataplane.NO_SLOT, role: int = dataplane.ROLE_HOST) -> None:
         """`section`'s program on `intf` as link end `slot` (the filter's classid), whose
-        role its slot's entry says: a switch's port or not, and its peer switch port."""
-        self.table.set_role(slot, peer, switch)
+        role its slot's entry says (dataplane.ROLE_*), and its peer switch port."""
+        self.table.set_role(slot, peer, role)
         hook = tcnl.CLSACT_EGRESS if section == "tc/egress" else tcnl.CLSACT_INGRESS
         nl = tcnl.Netlink(netns.socket_in_netns(pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE,
                                                 family=socket.AF_NETLINK))
@@ -249,6 +250,36 @@ def test_a_pause_a_transport_honours_is_counted_but_asks_for_no_gate():
     assert [(e["kind"], e["slot"], e["value"]) for e in events] == \
         [(dataplane.EV_PAUSE_RX, 1, 1 << 0)]
     assert (roce["pfc_rx_pause"], roce["pfc_rx_resume"], default["pfc_rx_pause"]) == (1, 1, 1)
+
+
+def _clsact_drops(ns: str, intf: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev",
+                          intf], capture_output=True, text=True, check=True).stdout
+    return next(q["drops"] for q in json.loads(out) if q["kind"] == "clsact")
+
+
+@requires_root
+def test_a_stub_passes_pause_frames_on_unheeded():
+    """A crossing link's far end on this machine (lab/kernel/tunnel.py's stub) carries the
+    local switch port's PFC frames into the tunnel: they pass its ingress untouched (no
+    signal, not counted as received, not dropped), to be honoured by the other
+    machine's switch port. The same frame at a switch port's ingress is consumed there
+    (the control: what is looked at does show a consumed frame)."""
+    frame = pause.pfc_frame("02:fc:00:00:00:01", {PRIORITY_ROCE_DATA: 0xFFFF})
+    send = (f"ip netns exec {NS_A} python3 -c \"import socket; s=socket.socket("
+            f"socket.AF_PACKET, socket.SOCK_RAW); s.bind(('{INTF_A}', 0)); "
+            f"s.send(bytes.fromhex('{frame.hex()}'))\"")
+    seen = {}
+    with Pair() as pair:
+        for role in (dataplane.ROLE_SWITCH, dataplane.ROLE_STUB):
+            pair.table.set_role(1, 0, role)
+            before = _clsact_drops(NS_B, INTF_B)
+            sh(send)
+            time.sleep(0.2)
+            seen[role] = (len(list(pair.ring.records())),
+                          pair.table.counters(1, PRIORITY_ROCE_DATA)["pfc_rx_pause"],
+                          _clsact_drops(NS_B, INTF_B) - before)
+    assert seen == {dataplane.ROLE_SWITCH: (1, 1, 1), dataplane.ROLE_STUB: (0, 1, 0)}
 
 
 @requires_root

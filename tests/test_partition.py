@@ -116,6 +116,30 @@ def test_a_machine_configures_and_builds_only_its_own_part():
                                           if ln.a in mine and ln.b in mine])
 
 
+def test_a_machines_data_path_has_a_stub_for_each_crossing_links_far_end():
+    """On a machine of several, the data path's link ends (lab/kernel/dataplane.py): its
+    switch ports and hosts as on one machine, and the far end of each link to another
+    machine a stub (what its switch port sends into the tunnel leaves the queue there),
+    which needs the tunnel's interface named (refused without it, before anything)."""
+    from lab.kernel import dataplane
+    from lab.core.errors import LabError
+    part = split(build_topo("leaf-spine", spines=2, leaves=4, hosts_per_leaf=2).fabric, 2)
+    for m in (0, 1):
+        local = part.local(m)
+        slots = dataplane.slots(local)
+        stubs = {(s.node, s.port) for s in slots if s.stub}
+        assert stubs == {c.far_end(m) for c in part.crossings if m in c.machines}
+        assert all(s.role == dataplane.ROLE_STUB and not s.switch and not s.intf
+                   for s in slots if s.stub)
+        peer = dataplane.peers(local)
+        for i, s in enumerate(slots):
+            if s.stub:      # its peer is this machine's switch port, whose queue it drains
+                assert slots[peer[i]].role == dataplane.ROLE_SWITCH
+                assert slots[peer[i]].node in part.nodes(m)
+        with pytest.raises(LabError, match="no interface for the far end"):
+            dataplane.Dataplane.attach(local, {}, None, stubs={})
+
+
 def test_the_tunnel_bridge_and_its_stubs_are_lab_objects_and_nothing_else():
     """`fabriclab clean` and teardown's sweep remove fl-tun and the fl-x<key> veth ends
     (lab/fabric/cleanup.py), and no name merely like them."""

@@ -33,6 +33,11 @@ class Crossing:
         return (self.link.a, self.link.a_port) if self.machines[0] == machine else \
             (self.link.b, self.link.b_port)
 
+    def far_end(self, machine: int) -> tuple[str, int]:
+        """(switch, port) of this link's end on the other machine."""
+        return (self.link.b, self.link.b_port) if self.machines[0] == machine else \
+            (self.link.a, self.link.a_port)
+
     def peer(self, machine: int) -> int:
         return self.machines[1] if self.machines[0] == machine else self.machines[0]
 

@@ -26,15 +26,21 @@ def free_port(ip: str = "127.0.0.1") -> int:
 
 
 RUNTIMES = ("os-ken", "ryu")
+CONGESTION_APP = "controllers.congestion"
 
 
 class Controller:
     """The controller apps (controllers/) for one fabric, on os-ken or on Ryu."""
 
     def __init__(self, fabric: Fabric, workdir: Path, runtime: str = "os-ken",
-                 listen_ip: str = "127.0.0.1"):
+                 listen_ip: str = "127.0.0.1", local_fabric: Fabric | None = None,
+                 apps: list[str] | None = None):
         """listen_ip: loopback, or the address the machines of a cluster reach this
-        one at (lab/cluster.py): every machine's switches connect to this controller."""
+        one at (lab/cluster.py): every machine's switches connect to this controller.
+        local_fabric: a fabric across machines: this machine's part, whose ECN and PFC
+        the congestion app handles (each machine runs its own: its queues, its data
+        path); apps: which of controllers/ (default: the router and the congestion app;
+        another machine of a cluster runs the congestion app alone)."""
         if runtime not in RUNTIMES:
             raise LabError(f"unknown controller runtime {runtime!r}; choose one of "
                            f"{', '.join(RUNTIMES)}")
@@ -44,6 +50,9 @@ class Controller:
         self.listen_ip = listen_ip
         self.port = free_port(listen_ip)
         self.fabric_file = self.workdir / "fabric.json"
+        self.local_fabric = local_fabric
+        self.local_fabric_file = self.workdir / "fabric-local.json"
+        self.apps = apps
         self.status_file = self.workdir / "controller.status"
         self.congestion_file = self.workdir / protocol.CONFIG_FILE
         self.routing_file = self.workdir / "routing.json"     # read by fabric_router
@@ -56,6 +65,8 @@ class Controller:
         software CPU (the fresh-machine VM), time the build can use."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.fabric.save(self.fabric_file)
+        if self.local_fabric is not None:
+            self.local_fabric.save(self.local_fabric_file)
         self.status_file.write_text("")
         for name in (*protocol.FILES, "routing.json", "routing-events.jsonl"):
             (self.workdir / name).unlink(missing_ok=True)   # a fresh run's files only
@@ -65,6 +76,10 @@ class Controller:
                "--listen-host", self.listen_ip,
                "--fabric", str(self.fabric_file), "--status", str(self.status_file),
                "--congestion", str(self.congestion_file), "--runtime", self.runtime]
+        if self.local_fabric is not None:
+            cmd += ["--congestion-fabric", str(self.local_fabric_file)]
+        for app in self.apps or []:
+            cmd += ["--app", app]
         with open(self.log_file, "w") as log:
             # Its own session: a Ctrl-C in the terminal reaches the lab, which
             # then stops the controller in order, after the switches.

@@ -28,7 +28,7 @@ from mininet.topo import Topo
 from lab.core import state
 from lab.core.errors import LabError, Terminated
 from lab.fabric import cleanup
-from lab.fabric.controller import Controller
+from lab.fabric.controller import CONGESTION_APP, Controller
 from lab.kernel import dataplane, ovs, queues, rcu, tunnel
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
 from topologies.fabric import interface_name
@@ -193,14 +193,22 @@ class FabricNetwork:
             tunnel.check(self.datapath, {m: ip for m, ip in self.part.addresses.items()
                                          if m != self.part.machine}, queues.MAX_FRAME_BYTES)
         if self.part is None or self.part.controller is None:
-            # the controller programs the whole fabric, every machine's switches
+            # the controller programs the whole fabric, every machine's switches; its
+            # congestion app handles this machine's
             full, listen = (self.fabric, "127.0.0.1") if self.part is None else \
                 (self.part.partition.fabric, self.part.addresses[self.part.machine])
-            self.controller = Controller(full, self.workdir, self.controller_runtime, listen)
+            self.controller = Controller(full, self.workdir, self.controller_runtime, listen,
+                                         local_fabric=None if self.part is None else
+                                         self.fabric)
             self.controller.launch()
             controller_ip, controller_port = listen, self.controller.port
         else:
+            # the head's controller programs these switches; ECN and PFC are this
+            # machine's own: its congestion app, on its queues and data path
             controller_ip, controller_port = self.part.controller
+            self.controller = Controller(self.fabric, self.workdir, self.controller_runtime,
+                                         apps=[CONGESTION_APP])
+            self.controller.launch()
         log.info(f"building {self.fabric.summary()} (OVS {self.datapath} datapath, "
                  f"{self.controller_runtime} controller)")
         # batch: Mininet creates the bridges in a few ovs-vsctl runs of its own (its
@@ -239,17 +247,19 @@ class FabricNetwork:
         self.timings["queues_s"] = time.monotonic() - t1
         t1 = time.monotonic()
         self.dataplane_missing = dataplane.unavailable() if self.use_dataplane else "turned off"
-        if self.part is not None and self.dataplane_missing is None:
-            # its programs count a queue's departures at the link's far end, which for a
-            # crossing link is on another machine
-            self.dataplane_missing = "a fabric across machines: not yet over its tunnels"
         if self.dataplane_missing is None:
-            self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params)
+            # a queue's departures are counted at its link's far end: for a link to
+            # another machine, its stub here (what the port sends into the tunnel)
+            stubs = None if self.part is None else {
+                c.far_end(self.part.machine): tunnel.stub_name(c.key)
+                for c in self.part.crossings}
+            self.dataplane = dataplane.Dataplane.attach(self.fabric, pids, self.queue_params,
+                                                        stubs=stubs)
         elif self.use_dataplane:
             log.warning(f"no per-packet BPF data path here ({self.dataplane_missing}): "
                         f"ECN and PFC fall back to the controller's queue sampling")
         self.timings["dataplane_s"] = time.monotonic() - t1
-        if self.controller is None:    # the head's controller programs these (lab/cluster.py)
+        if self.programmed_elsewhere:
             self.timings["ready_s"] = time.monotonic() - t0
             return
         t1 = time.monotonic()
@@ -262,6 +272,11 @@ class FabricNetwork:
         if self.datapath == "user":
             self.lift_ovs_send_buffer()
         self.timings["ready_s"] = time.monotonic() - t0
+
+    @property
+    def programmed_elsewhere(self) -> bool:
+        """Another machine's controller (the cluster head's) programs these switches."""
+        return self.part is not None and self.part.controller is not None
 
     def add_crossing_ports(self) -> None:
         """The switch ports of the links to other machines: veths whose far ends go into

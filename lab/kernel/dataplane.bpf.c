@@ -439,12 +439,14 @@ static __always_inline void follow_origin(struct __sk_buff *skb, struct port *pe
 				/* sent here only from the switch's side: a host's end
 				 * lives in another namespace than the switch's ports */
 				notify(EV_XON, o->ingress, prio, held, own->peer_slot, threshold,
-				       carry_out(skb, in, o->ingress, prio, 0, own->switch_port));
+				       carry_out(skb, in, o->ingress, prio, 0,
+						 own->role != ROLE_HOST));
 			}
 		}
 		o->queue = NO_SLOT;
 	}
-	if (!own->switch_port) {    /* delivered to a host: its journey ends */
+	if (own->role != ROLE_SWITCH) {  /* delivered to a host, or gone to another
+					  * machine: its journey here ends */
 		if (o)
 			bpf_map_delete_elem(&origins, &k);
 		return;
@@ -565,9 +567,15 @@ int port_ingress(struct __sk_buff *skb)
 
 	if (!own)
 		return TC_ACT_OK;
+	/* a stub passes pause frames untouched: the local switch port's own, counted as
+	 * they left (its egress), on their way to the other machine's port, which
+	 * honours them */
+	if (own->role == ROLE_STUB && skb->protocol == bpf_htons(MAC_CONTROL))
+		return TC_ACT_OK;
 	if (skb->protocol == bpf_htons(MAC_CONTROL)) {
 		struct port *p = own;
 		struct mac_control mc;
+
 		struct event *e;
 		__u16 enable;
 		__u64 now;
@@ -583,7 +591,7 @@ int port_ingress(struct __sk_buff *skb)
 			if (p->cfg[i].nic_honours)
 				enable &= ~(1 << i);
 		if (!enable)
-			return p->switch_port ? TC_ACT_SHOT : TC_ACT_OK;
+			return p->role == ROLE_SWITCH ? TC_ACT_SHOT : TC_ACT_OK;
 		e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 		if (!e)
 			return TC_ACT_OK;
@@ -602,7 +610,7 @@ int port_ingress(struct __sk_buff *skb)
 		/* a switch's MAC acts on a pause frame and forwards it nowhere (a capture on
 		 * the port still shows it: taps see frames before this hook); a GPU host's
 		 * transport reads it too, as its NIC's driver would report it */
-		return p->switch_port ? TC_ACT_SHOT : TC_ACT_OK;
+		return p->role == ROLE_SWITCH ? TC_ACT_SHOT : TC_ACT_OK;
 	}
 	peer = port_at(own->peer_slot);
 	/* what enters the switch: frames lost inside it show against this */

@@ -17,6 +17,13 @@
 #define EV_XOFF 1
 #define EV_XON 2
 #define EV_PAUSE_RX 3
+/* A link end's role. A stub stands in for a switch port on another machine: the far
+ * end of a link that crosses machines, on this machine (lab/kernel/tunnel.py). What
+ * enters it has left the local switch port's queue; PFC frames pass it untouched, to
+ * be honoured where they arrive, by the other machine's switch port. */
+#define ROLE_HOST 0             /* a GPU host's NIC */
+#define ROLE_SWITCH 1           /* a switch's port, whose MAC consumes pauses */
+#define ROLE_STUB 2
 /* skb->mark of a copy that a port's egress program turns into its PFC frame: the
  * top half says so, bit 8 XOFF (else XON), the low bits the priority */
 #define PFC_MARK 0xf1c00000
@@ -91,7 +98,7 @@ struct port {
 	__u32 history;          /* a switch port's first entry in `history` (NO_SLOT: none) */
 	__u32 look_ns;          /* telemetry's period (0: no history kept) */
 	__u32 peer_slot;        /* the switch port at the link's other end (NO_SLOT: a host's) */
-	__u32 switch_port;      /* 1: a switch's port, whose MAC consumes pauses */
+	__u32 role;             /* ROLE_*: which kind of link end this is */
 	struct prio_cfg cfg[PRIOS];
 	struct prio_state q[PRIOS];
 };

@@ -69,10 +69,11 @@ AVG_SHIFT = 10                  # the C source's fixed point for RED's average
 
 # struct port (dataplane.bpf.c; its static asserts check these sizes)
 # ecn mask, kmin, kmax, pmax_u32, wlog, packet_ns, quantum_ns, ifindex, dscp, mac,
-# pause_quanta, history, look_ns, peer_slot, switch_port
+# pause_quanta, history, look_ns, peer_slot, role
 _HEAD = struct.Struct("=8I64s6sHIIII")
 HEAD_QUANTUM, HEAD_IFINDEX, HEAD_DSCP, HEAD_MAC, HEAD_PAUSE_QUANTA = 6, 7, 8, 9, 10
-HEAD_HISTORY, HEAD_LOOK_NS, HEAD_PEER, HEAD_SWITCH = 11, 12, 13, 14
+HEAD_HISTORY, HEAD_LOOK_NS, HEAD_PEER, HEAD_ROLE = 11, 12, 13, 14
+ROLE_HOST, ROLE_SWITCH, ROLE_STUB = 0, 1, 2     # dataplane.h's ROLE_*
 # limit, xoff, xon, nic_honours, headroom, alpha_q8, trim_bytes, trim_dscp
 _CFG = struct.Struct("=8I")
 CFG_FIELDS = ("limit", "xoff", "xon", "nic", "headroom", "alpha_q8", "trim_bytes", "trim_dscp")
@@ -196,15 +197,26 @@ class Slot:
     port: int
     intf: str
     switch: bool
+    stub: bool = False     # another machine's switch port: its stand-in here (tunnel.py)
+
+    @property
+    def role(self) -> int:
+        return ROLE_SWITCH if self.switch else ROLE_STUB if self.stub else ROLE_HOST
 
 
 def slots(fabric: Fabric) -> list[Slot]:
-    """Every link end, in the fabric's link order: its index is its slot."""
+    """Every link end, in the fabric's link order: its index is its slot. On one
+    machine of several (topologies/partition.py: Partition.local), a link to another
+    machine's switch has its far end here as a stub, whose interface the tunnel names
+    (its `intf` is left empty here)."""
     switches = {s.name for s in fabric.switches}
+    hosts = {h.name for h in fabric.hosts}
     out = []
     for ln in fabric.links:
         for node, port in ((ln.a, ln.a_port), (ln.b, ln.b_port)):
-            out.append(Slot(node, port, interface_name(node, port), node in switches))
+            stub = node not in switches and node not in hosts
+            out.append(Slot(node, port, "" if stub else interface_name(node, port),
+                            node in switches, stub))
     return out
 
 
@@ -279,10 +291,11 @@ class PortTable:
         and MAC: its programs send its PFC frames themselves (without: user space)."""
         self._head(slot, {HEAD_IFINDEX: ifindex, HEAD_MAC: bytes.fromhex(mac.replace(":", ""))})
 
-    def set_role(self, slot: int, peer_slot: int, switch_port: bool) -> None:
-        """Which the port is: a switch's or a host's, and the switch port at its link's
-        other end (NO_SLOT: a host's end, which keeps no queue the programs count)."""
-        self._head(slot, {HEAD_PEER: peer_slot, HEAD_SWITCH: int(switch_port)})
+    def set_role(self, slot: int, peer_slot: int, role: int) -> None:
+        """Which the port is (ROLE_*: a switch's, a host's, a stub), and the switch
+        port at its link's other end (NO_SLOT: a host's end or a stub, which keep no
+        queue the programs count)."""
+        self._head(slot, {HEAD_PEER: peer_slot, HEAD_ROLE: role})
 
     def set_history(self, slot: int, index: int, look_ns: int = 0) -> None:
         """Where the port's programs keep telemetry's looks at its queues (`index`: its
@@ -475,7 +488,15 @@ class Dataplane:
 
     @classmethod
     def attach(cls, fabric: Fabric, host_pids: dict[str, int], queue_params,
-               pin_dir: Path = PIN_DIR) -> "Dataplane":
+               pin_dir: Path = PIN_DIR, stubs: dict[tuple[str, int], str] | None = None
+               ) -> "Dataplane":
+        """stubs: on one machine of several, the interface standing in here for each
+        other machine's switch port at the end of a crossing link, by (switch, port)."""
+        missing = [f"{s.node}:{s.port}" for s in slots(fabric)
+                   if s.stub and (s.node, s.port) not in (stubs or {})]
+        if missing:
+            raise LabError(f"the data path has no interface for the far end of the links "
+                           f"to {', '.join(missing)}, on other machines")
         why = unavailable()
         if why:
             raise LabError(f"the BPF data path cannot run here: {why}")
@@ -501,12 +522,15 @@ class Dataplane:
         sends.pin(pin_dir / "sends")
         history.pin(pin_dir / "history")
         dp = cls(fabric, PortTable(ports), events, origins, sends, history)
+        for s in dp.slots:
+            if s.stub:
+                s.intf = stubs[(s.node, s.port)]
         rate = {(end, port): ln.rate_mbps for ln in fabric.links
                 for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
         dpid = {sw.name: sw.dpid for sw in fabric.switches}
         peer = peers(fabric)
         for i, s in enumerate(all_slots):
-            dp.table.set_role(i, peer[i] if all_slots[peer[i]].switch else NO_SLOT, s.switch)
+            dp.table.set_role(i, peer[i] if all_slots[peer[i]].switch else NO_SLOT, s.role)
             dp.table.set_link(i, rate[(s.node, s.port)])
             dp.table.set_history(i, entries[i] // PRIOS if s.switch else NO_SLOT)
             if s.switch:
@@ -562,7 +586,7 @@ class Dataplane:
         per_ns: dict[str, tcnl.Netlink] = {}
         try:
             for i, s in enumerate(self.slots):
-                if s.switch:
+                if s.switch or s.stub:      # the switches' namespace: this one
                     self._attach(progs, i, root, socket.if_nametoindex(s.intf))
                     continue
                 pid = host_pids[s.node]

@@ -1,0 +1,66 @@
+"""The head's side of the cluster tier's PFC test (tests/cluster/test_two_vms.py), run in
+machine 0 of the pair: a 4-to-1 incast over a leaf-spine split between two machines,
+lossless (PFC, no ECN), every sender on the other machine than the receiver. Prints one
+line `RESULT <json>`: each flow's delivery and its transport's counters, and every
+machine's congestion counters (which the test holds against each other).
+
+    python3 tests/cluster/pfc_incast.py HEAD_ADDR,WORKER_ADDR
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lab.cluster import Cluster  # noqa: E402
+from lab.experiments.common import rc_params  # noqa: E402
+from lab.fabric.congestion import CongestionParams  # noqa: E402
+from lab.fabric.gpus import GpuAgents  # noqa: E402
+from topologies.registry import build_topo  # noqa: E402
+from traffic.constants import PRIORITY_ROCE_DATA  # noqa: E402
+
+RATE_MBPS = 2.0             # four senders in one software-CPU VM keep 4x this
+FLOW_BYTES = 200 * 1024
+RECEIVER, SENDERS = "g0", ["g4", "g5", "g6", "g7"]
+# the headroom's response: a pause crosses the tunnel and wakes the other machine's
+# congestion app under a software CPU (1 ms on the reference machine)
+RESPONSE_MS = 20.0
+
+
+def main(machines: list[str]) -> None:
+    topo = build_topo("leaf-spine", spines=2, leaves=4, hosts_per_leaf=2,
+                      host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS)
+    with Cluster(topo, machines) as cluster:
+        where = {h: cluster.partition.placement[h] for h in [RECEIVER, *SENDERS]}
+        mode = cluster.set_congestion(CongestionParams(ecn="off", pfc=True,
+                                                       pfc_response_ms=RESPONSE_MS))
+        agents = GpuAgents(cluster, hosts=[RECEIVER, *SENDERS])
+        try:
+            flows = agents.transfers([(s, RECEIVER, FLOW_BYTES) for s in SENDERS], "rc",
+                                     rc_params(cluster.net, RATE_MBPS, 16, path_queues=3),
+                                     timeout_s=600, allow_timeout=True)
+        finally:
+            agents.close()
+        state = cluster.read_state()
+        queues = cluster.queue_counters(PRIORITY_ROCE_DATA)
+        crossings = [{"a": c.link.a, "a_port": c.link.a_port, "b": c.link.b,
+                      "b_port": c.link.b_port} for c in cluster.partition.crossings]
+    print("RESULT " + json.dumps({
+        "ecn": mode, "placement": where, "crossings": crossings,
+        "flows": [{"src": f["src"], "completion_s": f["completion_s"], "intact": f["intact"],
+                   "retransmitted": f["counters"]["retransmitted"],
+                   "timeouts": f["counters"]["timeouts"],
+                   "naks_sent": f["receiver_counters"]["naks_sent"],
+                   "pause_frames_received": f["sender_nic"]["pause_frames_received"],
+                   "sender": f["counters"], "receiver": f["receiver_counters"]}
+                  for f in flows],
+        "counters": state["counters"],
+        "queues": {port: {k: c[k] for k in ("rx_packets", "in_packets", "out_packets",
+                                            "drop_packets", "trimmed")}
+                   for port, c in queues.items()},
+        "machines": {m: {k: s.get(k) for k in ("reaction", "headroom", "watchdog")}
+                     for m, s in state["machines"].items()}}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","))

@@ -56,6 +56,7 @@ CONNECT_TIMEOUT_S = 60
 BUILD_TIMEOUT_S = 600        # a part of a few hundred hosts under a software CPU
 VERIFY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 300
+ANSWER_TIMEOUT_S = 120       # anything else: ECN/PFC set and applied, state, counters
 
 
 # --- the wire -----------------------------------------------------------------------------
@@ -459,11 +460,8 @@ class Cluster:
         t1 = time.monotonic()
         for m, channel in self.channels.items():      # they build at once
             channel.send(op="build", machine=m, **build)
-        for m, channel in self.channels.items():
-            reply = channel.receive(BUILD_TIMEOUT_S)
-            if reply is None or not reply.get("ok"):
-                raise LabError(f"{channel.peer} could not build its part: "
-                               f"{(reply or {}).get('error', 'the connection closed')}")
+        for channel in self.channels.values():
+            self._answer(channel, "could not build its part", BUILD_TIMEOUT_S)
         self.timings["worker_parts_s"] = time.monotonic() - t1
         t1 = time.monotonic()
         fabric = self.partition.fabric
@@ -541,8 +539,9 @@ class Cluster:
             self._answer(channel, f"could not flag {host}'s NIC")
 
     @staticmethod
-    def _answer(channel: "Channel", what: str) -> dict:
-        reply = channel.receive(BUILD_TIMEOUT_S)
+    def _answer(channel: Channel, what: str, timeout_s: float = ANSWER_TIMEOUT_S) -> dict:
+        """The worker's answer to the request just sent; its error, said, if it failed."""
+        reply = channel.receive(timeout_s)
         if reply is None or not reply.get("ok"):
             raise LabError(f"{channel.peer} {what}: "
                            f"{(reply or {}).get('error', 'the connection closed')}")
@@ -585,10 +584,7 @@ class Cluster:
             channel.send(op="verify", tries=tries)
         results = {(r.src, r.dst, r.dst_ip): r for r in _probe_local(self.net, tries)}
         for channel in self.channels.values():
-            reply = channel.receive(VERIFY_TIMEOUT_S)
-            if reply is None or not reply.get("ok"):
-                raise LabError(f"{channel.peer} could not probe: "
-                               f"{(reply or {}).get('error', 'the connection closed')}")
+            reply = self._answer(channel, "could not probe", VERIFY_TIMEOUT_S)
             results.update({(r.src, r.dst, r.dst_ip): r for r in _pair_results(reply["results"])})
         pairs = verify.pairs_to_probe(self.partition.fabric)
         return verify.Reachability(pairs, [results.get((p.src, p.dst, p.dst_ip),

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
                     help="the congestion app's part of the fabric (JSON; a fabric across "
                          "machines: this machine's); default: --fabric")
     ap.add_argument("--runtime", choices=["os-ken", "ryu"], default="os-ken")
-    ap.add_argument("--app", action="append", help="app module (default: the fabric router)")
+    ap.add_argument("--app", action="append", help="app module, repeatable (default: the fabric router and the congestion app)")
     args = ap.parse_args(argv)
     project = use_ryu() if args.runtime == "ryu" else "os_ken"
     from os_ken import cfg, log

@@ -148,7 +148,8 @@ class FabricNetwork:
                  part: MachinePart | None = None):
         """part: this machine's share of a fabric over several machines; its switches
         use the controller that part names, or the one this network runs for the whole
-        fabric on its cluster address (the head's: part.controller None)."""
+        fabric on its cluster address (the head's: part.controller None). Either way
+        this machine's own congestion app handles ECN and PFC on its switches."""
         self.topo = topo
         self.part = part
         self.machine_factor = machine_factor   # lab/fabric/calibrate.py: < 1 on a slower machine

@@ -97,7 +97,8 @@ struct port {
 	__u16 pause_quanta;     /* an XOFF's pause time */
 	__u32 history;          /* a switch port's first entry in `history` (NO_SLOT: none) */
 	__u32 look_ns;          /* telemetry's period (0: no history kept) */
-	__u32 peer_slot;        /* the switch port at the link's other end (NO_SLOT: a host's) */
+	__u32 peer_slot;        /* the switch port at the link's other end (NO_SLOT: a
+				 * host's or a stub's) */
 	__u32 role;             /* ROLE_*: which kind of link end this is */
 	struct prio_cfg cfg[PRIOS];
 	struct prio_state q[PRIOS];

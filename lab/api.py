@@ -31,7 +31,7 @@ from lab import results
 from lab.core.errors import LabError
 from lab.experiments.base import Claim
 from lab.fabric import collective
-from lab.fabric.congestion import CongestionParams, read_state, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.network import FabricNetwork
 from lab.fabric.telemetry import QueueTelemetry
@@ -214,7 +214,7 @@ class Lab:
         if unknown:
             raise LabError(f"unknown congestion setting(s) {sorted(unknown)}; "
                            f"known: {', '.join(sorted(fields))}")
-        return set_congestion(self.net, CongestionParams(**settings))
+        return self.net.set_congestion(CongestionParams(**settings))
 
     # --- measurements -------------------------------------------------------------------
     def queue_stats(self, since: float = 0.0) -> dict[str, dict]:
@@ -232,7 +232,7 @@ class Lab:
 
     def pfc_counters(self) -> dict:
         """The controller's PFC and ECN counters per switch port and priority."""
-        return read_state(self.net).get("counters", {}) if self.net else {}
+        return self.net.congestion_state().get("counters", {}) if self.net else {}
 
     # --- claims and the report ----------------------------------------------------------
     def record(self, section: str, values: dict) -> None:

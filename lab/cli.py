@@ -190,12 +190,15 @@ def cmd_run(args) -> int:
     console.attach("stderr" if args.json else "stdout")   # stdout: the JSON alone
     if args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
+    across = {"machines": args.machines} if args.machines else {}
+    across.update((k, v) for k, v in (("worker_port", args.worker_port),
+                                      ("connect_timeout_s", args.wait)) if v is not None)
     if args.repeat > 1:
         out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
                                      capture=args.capture,
                                      capture_mb=args.capture_mb,
                                      controller_runtime=args.controller_runtime,
-                                     use_dataplane=args.congestion_datapath == "bpf")
+                                     use_dataplane=args.congestion_datapath == "bpf", **across)
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
@@ -205,7 +208,7 @@ def cmd_run(args) -> int:
     workdir, result = runner.run(args.name, args.set or [], args.out, capture=args.capture,
                                  live=args.live, capture_mb=args.capture_mb,
                                  controller_runtime=args.controller_runtime,
-                                 use_dataplane=args.congestion_datapath == "bpf")
+                                 use_dataplane=args.congestion_datapath == "bpf", **across)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0 if result["passed"] else 1
@@ -478,6 +481,7 @@ def build_parser() -> Parser:
     r.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run it N times (results in OUT/run-1..N) and report each claim's "
                         "pass rate (repeat.json)")
+    add_cluster_args(r)
     add_runtime_arg(r)
     r.set_defaults(func=cmd_run)
     tr = sub.add_parser("tour", help="the lab's story, experiment by experiment, in one report "

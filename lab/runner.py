@@ -21,11 +21,13 @@ import pkgutil
 import platform
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lab import experiments as experiments_pkg
 from lab import results
+from lab.cluster import CONNECT_TIMEOUT_S, WORKER_PORT, Cluster, ClusterCaptures
 from lab.core.errors import LabError, UsageError
 from lab.experiments import base as experiment
 from lab.experiments.base import RunContext
@@ -37,6 +39,7 @@ from lab.kernel.queues import QueueParams
 from lab.session import Session
 from traffic.samples import WIRESHARK_LUA
 from topologies.params import ParamError, key_value, parse_value
+from topologies.partition import split
 from topologies.registry import TOPOLOGIES, make_params
 
 log = logging.getLogger(__name__)
@@ -177,13 +180,21 @@ def run(name: str, settings: list[str], out: Path | None = None,
         capture: list[str] | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
         capture_mb: float = 20.0, capture_snaplen: int = 0,
-        use_dataplane: bool = True) -> tuple[Path, dict]:
+        use_dataplane: bool = True, machines: list[str] | None = None,
+        worker_port: int = WORKER_PORT,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[Path, dict]:
     """capture: switch ports to record (lab/fabric/capture.py), each up to capture_mb, or
     ["auto"]: the ports the experiment finds worth it (its capture_plan), capture_mb in
     all; live: print the hottest queues every second while the experiment runs;
-    use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run."""
+    use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run;
+    machines: the fabric over these machines (this one first, a `fabriclab cluster
+    worker` on each other: lab/cluster.py), every result gathered here."""
     t0 = time.monotonic()
     mod = load(name)
+    if machines and not experiment.across_machines(mod):
+        able = sorted(n for n, m in available().items() if experiment.across_machines(m))
+        raise UsageError(f"{name} does not run across machines yet; these do: "
+                         f"{', '.join(able)}")
     calibration = calibrate.load()      # None: uncalibrated, the defaults as they are
     busy = experiment.busy_ends(mod)
     factor = calibration.factor_for(busy) if calibration else 1.0
@@ -196,6 +207,11 @@ def run(name: str, settings: list[str], out: Path | None = None,
                  f"x{calibrate.size_factor(factor):.2f}, rate scale / {factor:.2f}, "
                  f"queue sampling / {factor:.2f}")
     topo = TOPOLOGIES[params.topology](topo_params)
+    if machines:
+        try:
+            split(topo.fabric, len(machines))
+        except ParamError as e:
+            raise UsageError(f"{e}: give the fabric more leaves (e.g. --set leaves=4)") from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path(out) if out else RESULTS_DIR / f"{name}-{stamp}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -213,12 +229,21 @@ def run(name: str, settings: list[str], out: Path | None = None,
         "started": stamp,
     }
     results.write_json_atomic(workdir / results.CONFIG_FILE, config)
-    with Session(topo, f"fabriclab run {name}", workdir, telemetry=True,
-                 queue_params=queue_params,
-                 controller_runtime=controller_runtime, machine_factor=factor,
-                 use_dataplane=use_dataplane) as session:
-        net, telemetry = session.net, session.telemetry
+    network = {"telemetry": True, "queue_params": queue_params, "machine_factor": factor,
+               "controller_runtime": controller_runtime, "use_dataplane": use_dataplane}
+    label = f"fabriclab run {name}"
+    with (Cluster(topo, machines, workdir, worker_port, connect_timeout_s, label=label,
+                  **network) if machines
+          else Session(topo, label, workdir, **network)) as session:
+        # an experiment drives a FabricNetwork, or a Cluster of them (the same interface)
+        net = session if machines else session.net
+        telemetry = session.telemetry
         config.update(results.fabric_facts(net))
+        if machines:
+            config["machines"] = {"addresses": machines,
+                                  "placement": session.partition.placement,
+                                  "clock_offsets_ms": {m: round(o * 1e3, 3) for m, o in
+                                                       session.clock_offsets_s.items()}}
         results.write_json_atomic(workdir / results.CONFIG_FILE, config)
         log.info(f"fabric ready in {net.timings['ready_s']:.1f} s; running {name}")
         plan = CapturePlan(capture or [])
@@ -226,8 +251,8 @@ def run(name: str, settings: list[str], out: Path | None = None,
             plan = experiment.capture_plan(mod, net.fabric, params)
             capture_mb /= max(1, len({i for spec in plan.ports
                                       for i in capture_resolve(net.fabric, spec)}))
-        captures = Captures(net.fabric, plan.ports, workdir / "captures", capture_mb,
-                            capture_snaplen, plan.tcpdump_filter)
+        captures = (partial(ClusterCaptures, net) if machines else partial(Captures, net.fabric))(
+            plan.ports, workdir / "captures", capture_mb, capture_snaplen, plan.tcpdump_filter)
         with captures, LiveView(telemetry, enabled=live):
             metrics = mod.run(RunContext(net, params, workdir, telemetry))
         telemetry.stop()

@@ -49,7 +49,8 @@ class Session:
             if self.want_telemetry:
                 self.telemetry = QueueTelemetry(
                     self.net.fabric, self.workdir / "queues.csv", TELEMETRY_INTERVAL_MS,
-                    controller_state=self.net.controller.workdir / protocol.STATE_FILE)
+                    controller_state=self.net.controller.workdir / protocol.STATE_FILE,
+                    dp=self.net.dataplane)
                 self.telemetry.start()
         except BaseException:
             self.__exit__(*sys.exc_info())

@@ -44,3 +44,49 @@ def test_the_userspace_datapath_is_refused_before_building_and_the_worker_lets_g
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_queue_settings_reach_a_worker_as_they_were():
+    """The head sends its QueueParams as JSON (DSCP keys become strings, RED a dict);
+    the worker's part gets the same queues back."""
+    import dataclasses
+    import json
+
+    from lab.cluster import queue_params
+    from lab.kernel.queues import QueueParams, RedParams
+    for q in (QueueParams(buffer_kb=96, express_class=1),
+              QueueParams(red=RedParams(2048, 16384, 0.2))):
+        assert queue_params(json.loads(json.dumps(dataclasses.asdict(q)))) == q
+
+
+def test_a_workers_clock_offset_is_measured_and_its_processes_take_the_heads_time():
+    """The head reads a worker's clock over the channel (the quickest of several round
+    trips); a process the worker starts with the offset in its environment stamps the
+    head's time (traffic/clock.py)."""
+    import sys
+    import time
+
+    from lab.cluster import Cluster
+    from traffic import clock
+
+    class Ahead:            # a worker whose clock runs 2.5 s ahead, answering in ~1 ms
+        def ask(self, timeout_s, op):
+            time.sleep(0.001)
+            return {"t": time.time() + 2.5}
+    assert abs(Cluster._clock_offset(Ahead()) - 2.5) < 0.005
+    code = "import time; from traffic import clock; print(clock.now() - time.time())"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, clock.OFFSET_ENV: "-2.5"}, check=True)
+    assert abs(float(r.stdout) + 2.5) < 0.01, r.stdout
+
+
+def test_run_across_machines_says_what_cannot():
+    """`fabriclab run --machines`: an experiment not made for it is refused by name, as
+    is a fabric whose hosts hang off fewer leaves than machines (a leaf and its GPUs stay
+    on one machine), each before anything is built."""
+    r = fabriclab("run", "ecmp-vs-spray", "--machines", "127.0.0.1,127.0.0.2", timeout=60)
+    assert r.returncode == 2 and "does not run across machines yet" in r.stderr, r.stderr
+    assert "incast" in r.stderr, r.stderr
+    r = fabriclab("run", "incast", "--machines", "127.0.0.1,127.0.0.2", timeout=60)
+    assert r.returncode == 2 and "at most 1 machines" in r.stderr, r.stderr
+    assert "--set leaves=" in r.stderr, r.stderr

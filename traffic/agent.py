@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from traffic import clock
 from traffic.collectives import (HierarchicalAllReduce, RingAllGather, RingAllReduce,
                                   RingBroadcast, RingReduceScatter, Transfers, TreeAllReduce)
 from traffic.mrc import DATA_OVERHEAD_BYTES, EXT_BYTES, CreditPool, MrcParams, MrcQP
@@ -228,7 +229,7 @@ class Agent:
             if now >= next_sample:
                 next_sample = now + RATE_SAMPLE_S
                 self._during(cid, nics, now)
-                samples["t"].append(round(time.time(), 4))
+                samples["t"].append(round(clock.now(), 4))
                 for nic in nics:
                     for qpn, qp in nic.qps.items():
                         samples["sent"][f"{qpn:#x}"].append(qp.counters.sent)
@@ -255,7 +256,7 @@ class Agent:
                     # each EV's history counts ms from its QP's first packet: when that
                     # was, on the lab's clock (None: the QP sent nothing)
                     started = None if qp.t0 is None else \
-                        round(time.time() - (time.monotonic() - qp.t0), 4)
+                        round(clock.now() - (time.monotonic() - qp.t0), 4)
                     evs[f"{prefix}{qpn:#x}"] = [{**ev, "qp_started_unix": started}
                                                 for ev in qp.ev_report()]
         if not ok:      # out of time: its QPs stop here, and what they counted goes out
@@ -282,7 +283,7 @@ class Agent:
                 changes = getattr(qp, "ev_events", None)     # MRC's only
                 for ev, plane, state, why in changes or ():
                     self.emit(event="ev", id=cid, qp=f"{qpn:#x}", peer=qp.peer_ip, ev=ev,
-                              plane=plane, state=state, why=why, t=round(time.time(), 4))
+                              plane=plane, state=state, why=why, t=round(clock.now(), 4))
                 if changes:
                     changes.clear()
         if not select.select([sys.stdin.fileno()], [], [], 0)[0]:

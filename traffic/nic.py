@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from traffic import pause
+from traffic import clock, pause
 from traffic.constants import (DSCP_PRIORITY, MAC_CONTROL_ETHERTYPE, PFC_PRIORITY_COUNT,
                                PRIORITY_ROCE_DATA, ROCE_V2_UDP_PORT)
 from traffic.qp import PACE_AHEAD_S, QueuePair
@@ -230,7 +230,7 @@ class Nic:
             return
         self.pause_frames_received += 1
         if len(self.pause_log) < PAUSE_LOG_MAX:
-            self.pause_log.append((time.time(), max(quanta.values(), default=0)))
+            self.pause_log.append((clock.now(), max(quanta.values(), default=0)))
         quantum_s = pause.quantum_s(port.rate_bps)
         for prio, q in quanta.items():
             was = max(0.0, port.paused_until[prio] - now)

@@ -12,6 +12,13 @@ lab/experiments/ with
                            says what it does through logging.getLogger(__name__)
     claims(params, metrics) -> list[Claim]   physical claims checked from them
     capture_plan(fabric, params)   optional: what to capture (lab/fabric/capture.py)
+    ACROSS_MACHINES        optional, True: it runs on a fabric over several machines
+                           (`fabriclab run NAME --machines ...`): ctx.net is then a
+                           lab/cluster.py Cluster and ctx.telemetry its ClusterTelemetry,
+                           so it uses only what both offer: fabric, queue_params,
+                           machine_factor, dataplane (is it None), popen (GpuAgents),
+                           set_congestion, congestion_state, congestion_events; and of
+                           the telemetry summary, drops, port_counters, kernel_counts
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ class Claim:
 
 @dataclass
 class RunContext:
-    """What an experiment's run() gets."""
+    """What an experiment's run() gets (net: a Cluster across machines)."""
     net: FabricNetwork
     params: Any
     workdir: Path
@@ -78,6 +85,11 @@ def queue_defaults(mod: ModuleType) -> dict:
 def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:
     """The Params fields that shrink with the link rates on a slow machine."""
     return tuple(getattr(mod, "SCALED_SIZES", ()))
+
+
+def across_machines(mod: ModuleType) -> bool:
+    """Whether it runs on a fabric over several machines (ACROSS_MACHINES)."""
+    return bool(getattr(mod, "ACROSS_MACHINES", False))
 
 
 def busy_ends(mod: ModuleType) -> int:

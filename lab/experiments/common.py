@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 
+from lab.fabric.telemetry import INSIDE
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
 from traffic.roce import WRITE_OVERHEAD_BYTES
 
 FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on the wire
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
-INSIDE = "inside"     # drops_elsewhere: RoCE frames a switch took in and sent nowhere
 TIMEOUT_IDEALS = 4      # traffic gets this many times its ideal time before it is called stuck
 MIN_TIMEOUT_S = 120.0
 
@@ -67,24 +67,6 @@ def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, flo
             for f in flows}
 
 
-def dataplane_drops(dp, telemetry, prio: int) -> dict[str, int]:
-    """Every drop the switches made so far: per switch queue ("SW:PORT:PRIO") the data
-    path's (its program drops at the queue's bound, before the kernel's queue) plus
-    the kernel's own (a frame the program admitted that the kernel's queue refused,
-    from a dump at this instant), and the RoCE frames each switch took in and sent
-    nowhere ("SW:inside")."""
-    kernel = telemetry.kernel_counts()
-    drops = {}
-    for i, s in enumerate(dp.slots):
-        for p in range(8) if s.switch else ():
-            key = f"{s.node}:{s.port}:{p}"
-            drops[key] = dp.table.counters(i, p)["drop_packets"] + \
-                (kernel[key].drops if key in kernel else 0)
-    for sw in {s.node for s in dp.slots if s.switch}:
-        drops[f"{sw}:{INSIDE}"] = dp.lost_inside(sw, prio)
-    return drops
-
-
 class SwitchDrops:
     """The RoCE data frames the switches drop from now until `count()`: the data path's
     exact counters, or where it cannot run the queue telemetry's."""
@@ -92,14 +74,12 @@ class SwitchDrops:
     def __init__(self, net, telemetry):
         self.dp, self.telemetry = net.dataplane, telemetry
         self.t0 = time.time()
-        self.before = dataplane_drops(self.dp, telemetry, PRIORITY_ROCE_DATA) \
-            if self.dp else {}
+        self.before = telemetry.drops(PRIORITY_ROCE_DATA) if self.dp else {}
 
     def count(self) -> int:
         if self.dp:
             return sum(n - self.before.get(k, 0)
-                       for k, n in dataplane_drops(self.dp, self.telemetry,
-                                                    PRIORITY_ROCE_DATA).items())
+                       for k, n in self.telemetry.drops(PRIORITY_ROCE_DATA).items())
         return sum(q["drops_packets"] for k, q in self.telemetry.summary(
             self.t0, time.time()).items() if k.endswith(f":{PRIORITY_ROCE_DATA}"))
 

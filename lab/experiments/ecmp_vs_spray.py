@@ -22,7 +22,7 @@ from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import SETTLE_S, SwitchDrops, rc_params
 from lab.fabric.capture import CapturePlan
-from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents, explicit_evs
 from topologies.fabric import interface_name
 from traffic.constants import DEFAULT_MTU_BYTES
@@ -126,7 +126,7 @@ def run(ctx: RunContext) -> dict:
         for name, transport, params, pfc in variants:
             log.info(f"{len(plan)} flows of {plan[0][2] / 1e6:.1f} MB from fl-lf0 to fl-lf1 "
                      f"over {name}")
-            set_congestion(ctx.net, CongestionParams(pfc=pfc))
+            ctx.net.set_congestion(CongestionParams(pfc=pfc))
             drops = SwitchDrops(ctx.net, ctx.telemetry)
             later = gpus.next_id
             if name == "rc+pfc":
@@ -142,7 +142,7 @@ def run(ctx: RunContext) -> dict:
                      f"{m['completion_s_max']:.2f} s")
             out[name] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     return out
 
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, idle_rtt_ms, rate,
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, idle_rtt_ms, rate,
                                     rc_params, sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
-from lab.fabric.congestion import CongestionParams, events, read_state, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
@@ -61,6 +61,9 @@ DATAPATH_LOST = "ovs-datapath"   # drops_elsewhere's key for OVS's lost flow-tab
 # fairness, only that nothing is lost, and NSCC and RCCC need no such time: their flows
 # shrink (in the lab VM's software CPU at x0.20, 1200 KB took 42 s per PFC variant).
 SCALED_SIZES = ("pfc_flow_kb", "uet_flow_kb")
+# across machines (`--machines`, with more leaves: a leaf and its GPUs stay on one machine)
+# it reads the queues, drops and congestion events of every machine through the cluster
+ACROSS_MACHINES = True
 
 
 @dataclass
@@ -146,15 +149,16 @@ def sender_goodputs(flows: list[dict], since: float, until: float) -> dict[str, 
 def pause_delivery_ms(evs: list[dict], flows: list[dict], port, fabric) -> dict:
     """From the switch deciding XOFF (its event) to each sender's NIC taking the pause
     frame in (its log): the part of the PFC loop that crosses the wire and the host.
-    A sender's pauses: with the data path, its own port's (accounting per ingress);
-    sampled, the bottleneck queue's (every feeding port is paused)."""
-    xoffs = [e for e in evs if e["event"] == "xoff" and e["device"] == port.switch
-             and e["prio"] == PRIORITY_ROCE_DATA]
+    A sender's pauses: with the data path, those of its own port on its own switch
+    (accounting per ingress; on a fabric of several leaves the sender's leaf is not the
+    receiver's); sampled, the bottleneck queue's (every feeding port is paused)."""
+    xoffs = [e for e in evs if e["event"] == "xoff" and e["prio"] == PRIORITY_ROCE_DATA]
     delays = []
     for f in flows:
-        own = fabric.host(f["src"]).interface().port
+        own = fabric.host(f["src"]).interface()
         mine = sorted(e["t"] for e in xoffs
-                      if (e["port"] == own if "queue" in e else e["port"] == port.port))
+                      if (e["device"], e["port"]) == ((own.switch, own.port) if "queue" in e
+                                                      else (port.switch, port.port)))
         arrivals = sorted(t for t, quanta in f["sender_nic"]["pause_log"] if quanta)
         for x in mine:
             i = bisect.bisect_left(arrivals, x)
@@ -175,14 +179,13 @@ def controller_counts(net, telemetry, switch: str, port: int) -> dict:
     red = telemetry.kernel_counts().get(f"{switch}:{port}:{prio}")
     red_marks = red.ce_marked if red else 0
     if net.dataplane is not None:
-        dp = net.dataplane
-        ports = [c for s, c in ((s, dp.counters(s.node, s.port, prio)) for s in dp.slots)
-                 if s.node == switch]
+        counters = telemetry.port_counters(prio)
+        ports = [c for key, c in counters.items() if key.split(":")[0] == switch]
         return {"xoff_frames_sent": sum(c["pfc_tx_pause"] for c in ports),
                 "xon_frames_sent": sum(c["pfc_tx_resume"] for c in ports),
-                "ce_marked_packets": dp.counters(switch, port, prio)["ce_marked"] + red_marks,
-                "drops": dataplane_drops(dp, telemetry, prio), "t": time.time()}
-    per_port = read_state(net).get("counters", {})
+                "ce_marked_packets": counters[f"{switch}:{port}"]["ce_marked"] + red_marks,
+                "drops": telemetry.drops(prio), "t": time.time()}
+    per_port = net.congestion_state().get("counters", {})
     mine = [c.get(str(prio), {}) for key, c in per_port.items() if key.split(":")[0] == switch]
     return {"xoff_frames_sent": sum(c.get("xoff_frames_sent", 0) for c in mine),
             "xon_frames_sent": sum(c.get("xon_frames_sent", 0) for c in mine),
@@ -212,7 +215,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                 senders: list[str], base_rtt_ms: float | None = None) -> dict:
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
-    mode = set_congestion(net, p.congestion(variant))
+    mode = net.set_congestion(p.congestion(variant))
     before = controller_counts(net, ctx.telemetry, recv_if.switch, recv_if.port)
     rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, p.dcqcn_time_scale)
     scale = rc["rate_scale"]
@@ -263,8 +266,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
     marks = after["ce_marked_packets"] - before["ce_marked_packets"]
     xoff = after["xoff_frames_sent"] - before["xoff_frames_sent"]
     xon = after["xon_frames_sent"] - before["xon_frames_sent"]
-    state = read_state(net)
-    delivery = pause_delivery_ms(events(net, t0), flows, recv_if, net.fabric)
+    state = net.congestion_state()
+    delivery = pause_delivery_ms(net.congestion_events(t0), flows, recv_if, net.fabric)
     write_flow_rates(ctx.workdir / f"flows-{variant}.csv", flows, FRAME_BYTES)
     return {
         "flow_bytes": nbytes,
@@ -352,7 +355,7 @@ def run(ctx: RunContext) -> dict:
     out["starved"] = [w for v in p.variant_list if p.congestion(v).pfc
                       for w in starved(v, out[v]["drops_elsewhere"])
                       + late_pauses(v, out[v])]
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     return out
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import rc_params, traffic_timeout_s
-from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from traffic.constants import DSCP_EXPRESS, DSCP_ROCE_DATA
 
@@ -154,7 +154,7 @@ def run(ctx: RunContext) -> dict:
     ring, prefill, decode = roles(ctx)
     rate = ctx.fabric.host(prefill).interface().rate_mbps
     cc = CongestionParams()
-    set_congestion(ctx.net, CongestionParams(ecn=p.ecn))
+    ctx.net.set_congestion(CongestionParams(ecn=p.ecn))
     rc = rc_params(ctx.net, rate, cc.kmax_kb)
     ideal_s = p.kv_kb * 1024 * 8 / (rate * 1e6)
     out = {"ring": ring, "prefill": prefill, "decode": decode, "kv_ideal_s": round(ideal_s, 4)}
@@ -185,7 +185,7 @@ def run(ctx: RunContext) -> dict:
         out[variant] = m
         log.info(f"  KV latency p50 {m['latency_s_p50'] * 1e3:.0f} ms ({m['latency_over_ideal_p50']}"
                  f" x its time on an idle link), max {m['latency_s_max'] * 1e3:.0f} ms")
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     return out
 
 

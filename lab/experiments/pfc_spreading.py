@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import (FRAME_BYTES, SETTLE_S, dataplane_drops, rc_params,
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, rc_params,
                                     sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
-from lab.fabric.congestion import CongestionParams, read_state, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from traffic.constants import PRIORITY_ROCE_DATA
@@ -88,7 +88,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
     cp = CongestionParams(ecn=p.ecn if variant == "ecn" else "off", kmin_kb=p.kmin_kb,
                           kmax_kb=p.kmax_kb, pmax=p.pmax, pfc=variant == "pfc",
                           xoff_kb=p.xoff_kb, xon_kb=p.xon_kb)
-    mode = set_congestion(net, cp)
+    mode = net.set_congestion(cp)
     recv_if = ctx.fabric.host(r["receiver"]).interface()
     rc = rc_params(net, recv_if.rate_mbps, p.kmax_kb, path_queues=PATH_QUEUES)
     flows = [(r["victim"], r["victim_dst"], p.victim_kb * 1024)]
@@ -96,8 +96,8 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
         flows += [(s, r["receiver"], p.incast_kb * 1024) for s in r["senders"]]
     prio = PRIORITY_ROCE_DATA
     dp = net.dataplane
-    drops0 = dataplane_drops(dp, ctx.telemetry, prio) if dp else {}
-    before = read_state(net).get("counters", {})
+    drops0 = ctx.telemetry.drops(prio) if dp else {}
+    before = net.congestion_state().get("counters", {})
     t0 = time.time()
     # every flow's bytes through the receiver's port: the victim's too, when pauses hold it
     res = gpus.transfers(flows, "rc", params=rc,
@@ -105,9 +105,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, r: dict) -> dict
                                                      recv_if.rate_mbps))
     t1 = time.time()
     time.sleep(SETTLE_S)
-    after = read_state(net).get("counters", {})
+    after = net.congestion_state().get("counters", {})
     if dp:      # exact: every drop the data path made while counting
-        drops = {k: n - drops0[k] for k, n in dataplane_drops(dp, ctx.telemetry, prio).items()
+        drops = {k: n - drops0[k] for k, n in ctx.telemetry.drops(prio).items()
                  if n - drops0[k]}
     else:
         drops = {k: q["drops_packets"] for k, q in ctx.telemetry.summary(t0, t1).items()
@@ -166,7 +166,7 @@ def run(ctx: RunContext) -> dict:
                      f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
     out["starved"] = starved("pfc", out["pfc"]["drops_packets"])
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     alone = out["alone"]["victim_rate_pps"] or 1.0
     out["victim_rate_vs_alone"] = {v: round(out[v]["victim_rate_pps"] / alone, 3)
                                    for v in ("pfc", "ecn")}

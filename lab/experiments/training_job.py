@@ -48,7 +48,7 @@ from lab.core.errors import UsageError
 from lab.experiments import waits
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import rc_params, traffic_timeout_s
-from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents, innermost
 
 log = logging.getLogger(__name__)
@@ -394,7 +394,7 @@ def run(ctx: RunContext) -> dict:
     hosts, storage = job_hosts(ctx)
     rate = ctx.fabric.host(hosts[0]).interface().rate_mbps
     cc = CongestionParams()
-    set_congestion(ctx.net, CongestionParams(ecn=p.ecn))
+    ctx.net.set_congestion(CongestionParams(ecn=p.ecn))
     rc = rc_params(ctx.net, rate, cc.kmax_kb) if p.transport == "rc" else None
     rng = np.random.default_rng(p.seed)
     out = {"job": {k: getattr(p, k) for k in JOB_FIELDS}, "gpus": hosts, "storage": storage}
@@ -440,7 +440,7 @@ def run(ctx: RunContext) -> dict:
                  f"{m['model_s']['step'] * 1e3:.0f} ms), GPU idle "
                  f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     return out
 
 

@@ -34,7 +34,7 @@ from lab.core.errors import UsageError
 from lab.experiments import waits
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import SwitchDrops, rc_params, traffic_timeout_s
-from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def run(ctx: RunContext) -> dict:
         ring = crossing if variant in ("collision", "spray") else in_order
         log.info(f"{variant}: {p.steps} steps of {p.compute_ms:.0f} ms compute + "
                  f"all-reduce of {p.grad_kb} KB over the ring {' -> '.join(ring)}")
-        set_congestion(ctx.net, CongestionParams(ecn=p.ecn if "ecn" in variant else "off"))
+        ctx.net.set_congestion(CongestionParams(ecn=p.ecn if "ecn" in variant else "off"))
         transport = "mrc" if variant == "spray" else "rc"
         params = rc if transport == "rc" else None
         # fresh QP numbers per variant: a late packet of one never lands in the next
@@ -226,7 +226,7 @@ def run(ctx: RunContext) -> dict:
                  f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)
     out["starved"] = starved(out)
-    set_congestion(ctx.net, CongestionParams())
+    ctx.net.set_congestion(CongestionParams())
     return out
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import SETTLE_S, dataplane_drops, idle_rtt_ms, traffic_timeout_s
+from lab.experiments.common import SETTLE_S, idle_rtt_ms, traffic_timeout_s
 from lab.fabric.capture import CapturePlan
-from lab.fabric.congestion import CongestionParams, set_congestion
+from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from traffic.constants import PRIORITY_ROCE_DATA
 from traffic.mrc import CC_MODES
@@ -92,7 +92,7 @@ def capture_plan(fabric, params: Params) -> CapturePlan:
 
 def bottleneck_counts(dp, telemetry, switch: str, port: int) -> dict:
     """Frames the bottleneck dropped and trimmed, and every drop in the switches."""
-    drops = dataplane_drops(dp, telemetry, PRIORITY_ROCE_DATA)
+    drops = telemetry.drops(PRIORITY_ROCE_DATA)
     return {"drops": drops[f"{switch}:{port}:{PRIORITY_ROCE_DATA}"],
             "trimmed": dp.counters(switch, port, PRIORITY_ROCE_DATA)["trimmed"],
             "all_drops": drops, "t": time.time()}
@@ -102,7 +102,7 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                 senders: list[str], base_rtt_ms: float | None = None) -> dict:
     p, net = ctx.params, ctx.net
     recv_if = ctx.fabric.host(receiver).interface()
-    set_congestion(net, CongestionParams(ecn=p.ecn, trim=variant == "trim", trim_kb=p.trim_kb))
+    net.set_congestion(CongestionParams(ecn=p.ecn, trim=variant == "trim", trim_kb=p.trim_kb))
     before = bottleneck_counts(net.dataplane, ctx.telemetry, recv_if.switch, recv_if.port)
     nbytes = p.flow_kb * 1024
     log.info(f"{variant}: {len(senders)} senders x {p.flow_kb} KB over MRC -> {receiver}")
@@ -178,7 +178,7 @@ def run(ctx: RunContext) -> dict:
             out["cpu_bound_hosts"] = gpus.cpu_bound()
         out["starved"] = starved(out["trim"]) if "trim" in out else []
     finally:
-        set_congestion(ctx.net, CongestionParams())
+        ctx.net.set_congestion(CongestionParams())
     return out
 
 

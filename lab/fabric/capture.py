@@ -83,6 +83,7 @@ class Captures:
         """max_mb: per port; snaplen: bytes kept of each frame (0: all); tcpdump_filter:
         a pcap-filter of the frames to keep."""
         self.intfs = sorted({intf for s in specs for intf in resolve(fabric, s)})
+        self.here = list(self.intfs)    # captured by this process (lab/cluster.py: some elsewhere)
         self.outdir = Path(outdir)
         self.snaplen, self.tcpdump_filter = snaplen, tcpdump_filter
         frame = snaplen + PCAP_RECORD_BYTES if snaplen else FRAME_BYTES_BOUND
@@ -93,7 +94,7 @@ class Captures:
 
     def __enter__(self) -> "Captures":
         self.outdir.mkdir(parents=True, exist_ok=True)
-        for intf in self.intfs:
+        for intf in self.here:
             cmd = ["tcpdump", "-i", intf, "-w", str(self.path(intf)), "-U",
                    "-c", str(self.max_packets)]
             if self.snaplen:

@@ -27,7 +27,7 @@ from mininet.topo import Topo
 
 from lab.core import state
 from lab.core.errors import LabError, Terminated
-from lab.fabric import cleanup
+from lab.fabric import cleanup, congestion
 from lab.fabric.controller import CONGESTION_APP, Controller
 from lab.kernel import dataplane, ovs, queues, rcu, tunnel
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
@@ -384,6 +384,19 @@ class FabricNetwork:
         if self.mininet is None:
             raise LabError("the fabric is not up")
         return self.mininet[name].pid
+
+    # --- ECN and PFC, as a fabric over several machines offers them too (lab/cluster.py) --
+    def set_congestion(self, params: congestion.CongestionParams) -> str:
+        """ECN and PFC on this fabric's switches; returns the ECN mode in use."""
+        return congestion.set_congestion(self, params)
+
+    def congestion_state(self) -> dict:
+        """The congestion app's state: counters per port and priority, reaction, headroom."""
+        return congestion.read_state(self)
+
+    def congestion_events(self, since: float = 0.0) -> list[dict]:
+        """The congestion app's events (xoff, xon, gates, marking) since `since` (unix s)."""
+        return congestion.events(self, since)
 
 
 def plane_routes(fabric) -> dict[str, list[str]]:

@@ -32,10 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.core.errors import LabError
 from lab.kernel import dataplane, queues, tcnl
 from topologies.fabric import Fabric
 
 CONTROLLER_READ_S = 0.05
+INSIDE = "inside"     # drops' key for RoCE frames a switch took in and sent nowhere
 # With the data path: the kernel's own counters (drops past the program, RED's marks),
 # this often. Pauses come from the program (it sees each pause frame arrive).
 KERNEL_EVERY_S = 0.5
@@ -164,10 +166,12 @@ def percentile(values: list[float], q: float) -> float:
 
 class QueueTelemetry:
     def __init__(self, fabric: Fabric | None, csv_path: Path | None, interval_ms: float = 5.0,
-                 controller_state: Path | None = None):
+                 controller_state: Path | None = None, dp: dataplane.Dataplane | None = None):
         """fabric None: every lab switch port found in the kernel (for `fabriclab top`);
-        controller_state: the congestion app's state file, for its CE marks."""
+        controller_state: the congestion app's state file, for its CE marks; dp: the
+        fabric's data path, for its exact counters (drops, port_counters)."""
         self.fabric = fabric
+        self.dp = dp
         self.controller_state = controller_state
         self._controller_marks: dict[str, int] = {}
         self._marks_read = 0.0
@@ -278,6 +282,31 @@ class QueueTelemetry:
             return self._dump(nl, time.time())
         finally:
             nl.close()
+
+    def drops(self, prio: int) -> dict[str, int]:
+        """Every drop the switches made so far (the data path's, exact): per switch queue
+        ("SW:PORT:PRIO") the program's (at the queue's bound, before the kernel's queue)
+        plus the kernel's own (a frame the program admitted that the kernel's queue
+        refused, from a dump at this instant), and per switch ("SW:inside") the frames
+        of `prio` it took in and sent nowhere."""
+        if self.dp is None:
+            raise LabError("exact drop counts need the lab's BPF data path")
+        kernel = self.kernel_counts()
+        out = {}
+        for i, s in enumerate(self.dp.slots):
+            for p in range(8) if s.switch else ():
+                key = f"{s.node}:{s.port}:{p}"
+                out[key] = self.dp.table.counters(i, p)["drop_packets"] + \
+                    (kernel[key].drops if key in kernel else 0)
+        for sw in {s.node for s in self.dp.slots if s.switch}:
+            out[f"{sw}:{INSIDE}"] = self.dp.lost_inside(sw, prio)
+        return out
+
+    def port_counters(self, prio: int) -> dict[str, dict]:
+        """The data path's counters of `prio` on every switch port, by "switch:port"
+        (lab/kernel/dataplane.py STATE_FIELDS: entered, admitted, sent, dropped, CE
+        marks, PFC frames...); {} without the data path."""
+        return {} if self.dp is None else self.dp.port_counters(prio)
 
     def _dump(self, nl: tcnl.Netlink, t: float) -> dict[str, QueueSample]:
         """The kernel's view of every gated queue: one rtnetlink dump."""

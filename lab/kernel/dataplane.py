@@ -653,6 +653,11 @@ class Dataplane:
             if s.node == host:
                 self.table.set_nic_honours(i, PRIORITY_ROCE_DATA, n > 0)
 
+    def port_counters(self, prio: int) -> dict[str, dict[str, int]]:
+        """The counters of `prio` on every switch port here, by "switch:port"."""
+        return {f"{s.node}:{s.port}": self.table.counters(i, prio)
+                for i, s in enumerate(self.slots) if s.switch}
+
     def lost_inside(self, switch: str, prio: int) -> int:
         """Frames of `prio` that entered `switch` and reached none of its egress ports
         (neither queued nor dropped there): lost inside the switch itself, e.g. by OVS's

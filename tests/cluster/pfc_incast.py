@@ -30,19 +30,19 @@ RESPONSE_MS = 20.0
 def main(machines: list[str]) -> None:
     topo = build_topo("leaf-spine", spines=2, leaves=4, hosts_per_leaf=2,
                       host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS)
-    with Cluster(topo, machines) as cluster:
+    with Cluster(topo, machines, telemetry=True) as cluster:
         where = {h: cluster.partition.placement[h] for h in [RECEIVER, *SENDERS]}
         mode = cluster.set_congestion(CongestionParams(ecn="off", pfc=True,
                                                        pfc_response_ms=RESPONSE_MS))
         agents = GpuAgents(cluster, hosts=[RECEIVER, *SENDERS])
         try:
             flows = agents.transfers([(s, RECEIVER, FLOW_BYTES) for s in SENDERS], "rc",
-                                     rc_params(cluster.net, RATE_MBPS, 16, path_queues=3),
+                                     rc_params(cluster, RATE_MBPS, 16, path_queues=3),
                                      timeout_s=600, allow_timeout=True)
         finally:
             agents.close()
-        state = cluster.read_state()
-        queues = cluster.queue_counters(PRIORITY_ROCE_DATA)
+        state = cluster.congestion_state()
+        queues = cluster.telemetry.port_counters(PRIORITY_ROCE_DATA)
         crossings = [{"a": c.link.a, "a_port": c.link.a_port, "b": c.link.b,
                       "b_port": c.link.b_port} for c in cluster.partition.crossings]
     print("RESULT " + json.dumps({

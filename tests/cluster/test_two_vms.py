@@ -4,10 +4,15 @@ VXLAN tunnels (lab/cluster.py). Run by `make test` after the kernel tier (`-m cl
 it boots the VMs from the host, so it runs natively, never inside a VM."""
 import json
 import re
+import shutil
 
 import pytest
 
+import wire
 from lab.vm import pair
+from lab.vm.image import REPO
+from topologies.fabric import Fabric, interface_name
+from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
 pytestmark = pytest.mark.cluster
@@ -89,3 +94,63 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
     assert crossed > 0, result["counters"]
     assert any(f["pause_frames_received"] for f in flows), flows   # the senders paused too
     assert worker.exit_code == 0, "\n".join(worker.lines)
+
+
+def test_fabriclab_run_incast_across_two_machines_gathers_its_results_on_the_head():
+    """`fabriclab run incast --machines` on the head (PFC, 7 senders to g0 over the 2-spine
+    4-leaf fabric: g1-g3 on machine 0, g4-g7 on machine 1, each at 2 Mb/s; its
+    headroom's response 20 ms, as a pause crossing the tunnel under a software CPU
+    needs): every claim holds (intact, no drop at the bottleneck, pause frames sent),
+    and the results are the head's: config.json names the machines, where each node
+    ran and how far machine 1's clock was off; queues.csv holds both machines' switch
+    queues; the captures of machine 1's ports were made there and copied into the
+    head's results. Counters equal the wire: the PFC frames the senders' NICs took in
+    are the frames captured on their switch ports (machine 1's among them), and the
+    PFC frames the receiver's leaf sent are those captured leaving its ports."""
+    out = "results/cluster-incast"
+    shutil.rmtree(REPO / out, ignore_errors=True)
+    settings = ("spines=2 leaves=4 hosts_per_leaf=2 host_rate_mbps=2 fabric_rate_mbps=2 "
+                "senders=7 variants=pfc pfc_flow_kb=200 pfc_response_ms=20").split()
+    head, worker = pair.run(
+        f"fabriclab run incast --machines {MACHINES} --out {out} "
+        + " ".join(f"--set {kv}" for kv in settings)
+        + " --capture fl-lf0,g2,g3,g4,g5,g6,g7", "fabriclab cluster worker --once",
+        timeout_min=25, echo=None)
+    log = "\n".join(head.lines)
+    print(log)          # (shown when the test fails)
+    try:
+        assert head.exit_code == 0, log
+        results = REPO / out
+        config = json.loads((results / "config.json").read_text())
+        where = config["machines"]["placement"]
+        assert [where[f"g{i}"] for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1], where
+        assert "1" in config["machines"]["clock_offsets_ms"], config["machines"]
+        m = json.loads((results / "metrics.json").read_text())
+        assert m["passed"], m["claims"]
+        pfc = m["metrics"]["pfc"]
+        assert pfc["drops_packets"] == 0 and pfc["drops_elsewhere"] == {}, pfc
+        switches = {row.split(",")[1] for row in
+                    (results / "queues.csv").read_text().splitlines()[1:]}
+        assert {"fl-lf0", "fl-lf3"} <= switches, switches       # one of each machine
+        fabric = Fabric.load(results / "fabric.json")
+        ports = m["metrics"]["captures"]["ports"]
+        assert all(p["dropped_by_tcpdump"] == 0 and not p["reached_cap"]
+                   for p in ports.values()), ports
+        frames = {i: wire.read(results / "captures" / f"{i}.pcap") for i in ports}
+
+        def port_of(host: str) -> str:
+            i = fabric.host(host).interface()
+            return interface_name(i.switch, i.port)
+        senders = [f"g{i}" for i in range(1, 8)]
+        paused = {h: sum(f.pfc(PRIORITY_ROCE_DATA) is not None for f in frames[port_of(h)])
+                  for h in senders}
+        assert sum(paused.values()) == pfc["sender_pause_frames_received"], paused
+        assert sum(paused[h] for h in senders if where[h] == 1) > 0, paused
+        lf0 = next(s for s in fabric.switches if s.name == "fl-lf0")
+        sent = sum(f.pfc(PRIORITY_ROCE_DATA) is not None
+                   and f.src_mac == pause.port_mac(lf0.dpid, int(i.rpartition("eth")[2]))
+                   for i in ports if i.startswith("fl-lf0-") for f in frames[i])
+        assert sent == pfc["pause_frames_sent"] > 0, (sent, pfc["pfc_frames_sent"])
+        assert worker.exit_code == 0, "\n".join(worker.lines)
+    finally:
+        shutil.rmtree(REPO / out, ignore_errors=True)

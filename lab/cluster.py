@@ -767,32 +767,28 @@ class ClusterTelemetry:
         self.machines: dict[int, dict] = {}     # per worker: its sampling, once stopped
         self.error: str | Exception | None = None
 
+    def _merged(self, mine: dict, what: str, key: str, **request) -> dict:
+        """This machine's answer updated with every worker's (each port is one machine's)."""
+        for r in self.cluster.ask_all(what, **request).values():
+            mine.update(r[key])
+        return mine
+
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, dict]:
-        out = self.head.summary(since, until)
-        until = min(until, 1e12)        # JSON has no infinity
-        for r in self.cluster.ask_all("could not summarise its queues", op="summary",
-                                      since=since, until=until).values():
-            out.update(r["summary"])
-        return out
+        return self._merged(self.head.summary(since, until), "could not summarise its queues",
+                            "summary", op="summary", since=since,
+                            until=min(until, 1e12))      # (JSON has no infinity)
 
     def drops(self, prio: int) -> dict[str, int]:
-        out = self.head.drops(prio)
-        for r in self.cluster.ask_all("could not count its drops", op="drops",
-                                      prio=prio).values():
-            out.update(r["drops"])
-        return out
+        return self._merged(self.head.drops(prio), "could not count its drops", "drops",
+                            op="drops", prio=prio)
 
     def port_counters(self, prio: int) -> dict[str, dict]:
-        out = self.head.port_counters(prio)
-        for r in self.cluster.ask_all("could not read its data path", op="queues",
-                                      prio=prio).values():
-            out.update(r["queues"])
-        return out
+        return self._merged(self.head.port_counters(prio), "could not read its data path",
+                            "queues", op="queues", prio=prio)
 
     def _samples(self, op: str, key: str, mine: dict[str, QueueSample]) -> dict[str, QueueSample]:
-        for r in self.cluster.ask_all("could not read its queues", op=op).values():
-            mine.update({k: QueueSample(*row) for k, row in r[key].items()})
-        return mine
+        rows = self._merged({}, "could not read its queues", key, op=op)
+        return {**mine, **{k: QueueSample(*row) for k, row in rows.items()}}
 
     def kernel_counts(self) -> dict[str, QueueSample]:
         return self._samples("kernel_counts", "counts", self.head.kernel_counts())

@@ -99,8 +99,8 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
 def test_fabriclab_run_incast_across_two_machines_gathers_its_results_on_the_head():
     """`fabriclab run incast --machines` on the head (PFC, 7 senders to g0 over the 2-spine
     4-leaf fabric: g1-g3 on machine 0, g4-g7 on machine 1, each at 2 Mb/s; its
-    headroom's response 20 ms, as a pause crossing the tunnel under a software CPU
-    needs): every claim holds (intact, no drop at the bottleneck, pause frames sent),
+    headroom's response 60 ms and a 192 KB buffer, as pauses between two software-CPU
+    VMs need: tests/cluster/pfc_incast.py says why): every claim holds (intact, no drop at the bottleneck, pause frames sent),
     and the results are the head's: config.json names the machines, where each node
     ran and how far machine 1's clock was off; queues.csv holds both machines' switch
     queues; the captures of machine 1's ports were made there and copied into the
@@ -110,7 +110,7 @@ def test_fabriclab_run_incast_across_two_machines_gathers_its_results_on_the_hea
     out = "results/cluster-incast"
     shutil.rmtree(REPO / out, ignore_errors=True)
     settings = ("spines=2 leaves=4 hosts_per_leaf=2 host_rate_mbps=2 fabric_rate_mbps=2 "
-                "senders=7 variants=pfc pfc_flow_kb=200 pfc_response_ms=20").split()
+                "senders=7 variants=pfc pfc_flow_kb=200 pfc_response_ms=60 buffer_kb=192").split()
     head, worker = pair.run(
         f"fabriclab run incast --machines {MACHINES} --out {out} "
         + " ".join(f"--set {kv}" for kv in settings)

@@ -97,6 +97,22 @@ def test_message_arrives_intact(kind):
     assert qa.counters.retransmitted == 0 and qb.counters.duplicate == 0
 
 
+def test_an_rc_qps_first_packet_travels_alone():
+    """RC's first packet goes out alone and the rest wait for its ACK: every switch on
+    the path has the flow installed before they follow (OVS's kernel datapath would
+    send a new flow's first frames on late, after later ones passed them)."""
+    nic_a, nic_b, qa, qb, region = pair("rc")
+    data = os.urandom(20 * 1024)
+    qa.post_write(data, region.base_va, 7, tag=3)
+    now = time.monotonic()
+    for i in range(50):
+        nic_a.transmit(now + i * 1e-3)
+    assert len(nic_a.wire.sent_ports) == 1, "more than the first packet before its ACK"
+    pump([nic_a, nic_b], lambda: qa.idle() and ("received", 3, len(data)) in qb.events)
+    assert bytes(region.buf[:len(data)]) == data
+    assert qa.counters.retransmitted == 0 and qb.counters.out_of_order == 0
+
+
 def test_rc_uses_one_source_port_and_mrc_sprays():
     nic_a, nic_b, qa, qb, region = pair("rc")
     qa.post_write(os.urandom(50_000), region.base_va, 7, tag=1)

@@ -10,7 +10,14 @@ slowed by DCQCN (down to 1% of the line) or by pauses would otherwise wait for
 the incast's ecn+pfc variant: 2 timeouts in 2 of 6 runs). At most `window_packets`
 unacknowledged. A NAK (PSN sequence error) or a retransmit timeout rewinds to
 the oldest unacknowledged PSN and resends everything from there: go-back-N.
-Every packet of the QP leaves on one UDP source port (udp_sport_for_qp).
+Every packet of the QP leaves on one UDP source port (udp_sport_for_qp). Its first
+packet travels alone: the rest wait for its ACK, a round trip, as a connection's
+handshake costs a real QP before its data. Emulated switches need it: OVS's kernel
+datapath hands a new flow's first frames to ovs-vswitchd, which sends them on once it
+has installed the flow, after later frames of the flow passed them on the fast path
+(seen in the lab VM on a 2-tier fabric: PSNs 0-9 of every flow 8-120 ms late at every
+switch, so receivers NAKed 4-12 times a run with nothing lost). The first packet
+installs the flow in every switch on the path, its ACK the way back.
 
 Responder: accepts only the expected PSN; a later PSN means a loss: it is
 dropped and answered with one NAK (until the gap closes); an earlier PSN is a
@@ -74,7 +81,8 @@ class RcQP(QueuePair):
         self.snd_end += msg.n_packets
 
     def pending(self, now: float) -> bool:
-        return self.snd_nxt < self.snd_end and not self.paced(now) and \
+        opened = self.snd_una > 0 or self.snd_nxt == 0      # the first packet's ACK came
+        return opened and self.snd_nxt < self.snd_end and not self.paced(now) and \
             self.snd_nxt - self.snd_una < self.params.window_packets
 
     def next_frame(self, now: float, plane: int = 0) -> bytes:

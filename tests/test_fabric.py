@@ -1,5 +1,6 @@
 """Fabrics built for real (root, namespaces, OVS): reachability, ECMP, the runner."""
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -146,6 +147,13 @@ def test_link_rates_are_real_kernel_queues(tmp_path):
                                      shell=True, capture_output=True, text=True,
                                      check=True).stdout
         host_side = net.mininet["g0"].cmd("tc class show dev g0-eth0; tc qdisc show dev g0-eth0")
+        # every link end steers a flow's received frames to one CPU (queues.steer): the
+        # switch's in the root namespace, the host's seen through a sysfs of its own
+        own_sysfs = "unshare -m sh -c 'umount -l /sys && mount -t sysfs none /sys && cat {}'"
+        steered = {Path("/sys/class/net/fl-lf0-eth2/queues/rx-0/rps_cpus").read_text().strip(),
+                   net.mininet["g0"].cmd(own_sysfs.format(
+                       "/sys/class/net/g0-eth0/queues/rx-0/rps_cpus")).strip()}
+    assert {int(m.replace(",", ""), 16) for m in steered} == {(1 << os.cpu_count()) - 1}, steered
     for out in (switch_side, host_side):
         assert "class htb 1:1 root rate 50Mbit ceil 50Mbit" in out, out
         # a class per priority, each behind its gate at the link rate (lab/kernel/queues.py)

@@ -14,7 +14,7 @@ from pathlib import Path
 from shutil import which
 
 from lab.fabric import calibrate
-from lab.kernel import dataplane, ovs
+from lab.kernel import dataplane, ovs, queues
 
 SCRATCH_NS = "fl-doctor"
 
@@ -126,6 +126,11 @@ def capabilities() -> list[Capability]:
                            "per-packet ECN marking and PFC in the kernel's data path; the "
                            "lab falls back to the controller sampling the queues every "
                            "millisecond (PFC can lose frames under load, ECN marks in bursts)"))
+    rps = queues.receive_steering()
+    caps.append(Capability("receive-steering", rps, "RPS: a flow's frames taken in by one "
+                           "CPU" if rps else "no CONFIG_RPS in this kernel",
+                           "in-order delivery through veths: two frames of a flow may now "
+                           "and then arrive swapped (RC receivers NAK them)"))
     rxe = _module_loadable("rdma_rxe")
     caps.append(Capability("soft-roce", rxe, "rdma_rxe available" if rxe else "no rdma_rxe",
                            "real RoCE peers (Soft-RoCE); use the lab VM or Vagrant"))

@@ -244,6 +244,10 @@ class FabricNetwork:
         self.timings["build_s"] = time.monotonic() - t0
         pids = {h.name: h.pid for h in self.mininet.hosts}
         t1 = time.monotonic()
+        if not queues.receive_steering():
+            log.warning("this kernel has no receive packet steering (CONFIG_RPS): two "
+                        "frames of a flow may now and then arrive out of order where a "
+                        "veth delivers them (README: A fabric across machines)")
         queues.apply(self.fabric, pids, self.queue_params)
         self.timings["queues_s"] = time.monotonic() - t1
         t1 = time.monotonic()
@@ -285,6 +289,7 @@ class FabricNetwork:
         these start, so OVS adds them with the rest, at their port numbers."""
         crossings = self.part.crossings
         tunnel.make_stubs(crossings, self.part.machine, cleanup.LINK_GROUP)
+        queues.steer([tunnel.stub_name(c.key) for c in crossings])
         tunnel.build_bridge(crossings, self.part.machine, self.part.addresses)
         for c in crossings:
             switch, port = c.local_end(self.part.machine)

@@ -29,9 +29,11 @@ closes the NIC's gate as hardware would (controllers/congestion.py).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lab.core.errors import LabError
 from topologies.fabric import Fabric, interface_name
@@ -261,9 +263,57 @@ def switch_ports(fabric: Fabric) -> list[tuple[str, int, str, float]]:
     return out
 
 
+# A veth hands each frame to the receive backlog of the CPU that sent it, and a port's
+# queue is sent from by either CPU (its timer, a sender's enqueue): two frames of a flow
+# could be taken in by two CPUs, the later one first (seen in the lab VM: one frame a
+# PSN late now and then, where a veth delivers; RC's receivers NAKed it). Receive packet
+# steering on every link end sends each flow's frames to one CPU's backlog, in order.
+RPS_PROBE = Path("/sys/class/net/lo/queues/rx-0/rps_cpus")
+
+
+def receive_steering() -> bool:
+    """Whether this kernel steers received packets (CONFIG_RPS)."""
+    return RPS_PROBE.exists()
+
+
+def cpu_mask(cpus: int) -> str:
+    """Every CPU as sysfs reads a cpumask: hex, in 32-bit groups separated by commas."""
+    bits, groups = (1 << cpus) - 1, []
+    while True:
+        groups.append(f"{bits & 0xFFFFFFFF:x}")
+        bits >>= 32
+        if not bits:
+            return ",".join(reversed(groups))
+
+
+def rps_files(intf: str, sys_dir: Path = Path("/sys")) -> list[Path]:
+    return sorted((sys_dir / "class/net" / intf / "queues").glob("rx-*/rps_cpus"))
+
+
+def steer(intfs: list[str]) -> None:
+    """Receive steering on these link ends of the root namespace (switch ports, a
+    cluster's stubs): each flow's frames taken in by one CPU (nothing where the
+    kernel cannot: FabricNetwork says so)."""
+    mask = cpu_mask(os.cpu_count() or 1)
+    for intf in intfs:
+        for f in rps_files(intf):
+            f.write_text(mask)
+
+
+def rps_command(intfs: list[str], mask: str) -> str:
+    """Shell that steers a host's link ends, run in its network namespace and in a mount
+    namespace of its own: /sys shows the network namespace that mounted it, so a fresh
+    sysfs there shows the host's interfaces."""
+    files = " ".join(f"/sys/class/net/{i}/queues/rx-*/rps_cpus" for i in intfs)
+    return (f"umount -l /sys && mount -t sysfs none /sys || exit 1; "
+            f"for f in {files}; do echo {mask} > $f || exit 1; done;")
+
+
 def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
     """Configure every link end; host namespaces in parallel (one tc each)."""
     procs = []
+    steering = receive_steering()
+    mask = cpu_mask(os.cpu_count() or 1)
     for ns, lines in plan(fabric, q).items():
         batch = tempfile.NamedTemporaryFile("w", prefix="fl-tc-", suffix=".batch")
         batch.write("\n".join(lines) + "\n")
@@ -273,10 +323,13 @@ def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
             # No segmentation offload on GPU hosts: every queued packet is one wire frame,
             # so a byte-bounded queue is not filled by one 64 KB TSO burst and tc's
             # packet counts mean packets.
+            intfs = host_interfaces(fabric, ns)
             offload_off = " ".join(f"ethtool -K {i} tso off gso off 2>/dev/null;"
-                                   for i in host_interfaces(fabric, ns))
-            cmd = ["mnexec", "-a", str(host_pids[ns]), "sh", "-c",
-                   f"{offload_off} exec tc -batch {batch.name}"]
+                                   for i in intfs)
+            rps = rps_command(intfs, mask) if steering else ""
+            cmd = ["mnexec", "-a", str(host_pids[ns]),
+                   *(["unshare", "-m"] if steering else []), "sh", "-c",
+                   f"{rps} {offload_off} exec tc -batch {batch.name}"]
         procs.append((ns, batch, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.PIPE, text=True)))
     errors = []
@@ -288,3 +341,5 @@ def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
             errors.append(f"{ns or 'switches'}: {lines[0] if lines else '?'}")
     if errors:
         raise LabError("could not configure link queues (tc): " + "; ".join(errors[:3]))
+    if steering:
+        steer([intf for *_, intf, _ in switch_ports(fabric)])

@@ -53,9 +53,10 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
     congestion app and data path handling its switches. The receiver's leaf pauses the
     spines feeding it, one across the tunnel, and the spines pause the senders' leaves,
     across it the other way: PFC frames cross both ways, and each is honoured where it
-    arrives. Lossless: every flow intact, every frame sent received, no queue drop, none
-    lost in the tunnel; and for every crossing link the PFC frames one end sent are the
-    frames the other end received, on the other machine."""
+    arrives. Lossless and in order: every flow intact, every frame sent received once
+    and in order (no NAK, no resend), no queue drop, none lost in the tunnel; and for
+    every crossing link the PFC frames one end sent are the frames the other end
+    received, on the other machine."""
     head, worker = pair.run(f"python3 tests/cluster/pfc_incast.py {MACHINES}",
                             "fabriclab cluster worker --once", timeout_min=20, echo=None)
     out = "\n".join(head.lines)
@@ -70,12 +71,14 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
                                    for f in flows), flows
     # lossless: every frame a sender sent (its resends too) reached the receiver, no
     # queue dropped one, and what each crossing port sent into the tunnel arrived at the
-    # far port; no retransmission timer fired. (Receivers NAKed frames that arrived out
-    # of order, none lost, until RC's first packet travelled alone and every link end
-    # steered a flow to one CPU: README, a fabric across machines. 0 NAKs in the one
-    # run since; asserted once more runs show it.)
+    # far port; no retransmission timer fired; and in order: no receiver NAKed, nothing
+    # was resent. (Receivers NAKed frames that arrived out of order, none lost, until
+    # RC's first packet travelled alone and every link end steered a flow to one CPU:
+    # README, a fabric across machines.)
     assert all(f["sender"]["sent"] == f["receiver"]["received"] and f["timeouts"] == 0
                for f in flows), flows
+    assert all(f["naks_sent"] == 0 and f["retransmitted"] == 0
+               and f["receiver"]["out_of_order"] == 0 for f in flows), flows
     queues = result["queues"]
     assert queues and not any(c["drop_packets"] for c in queues.values()), queues
 

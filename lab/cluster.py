@@ -50,12 +50,13 @@ from lab.fabric import congestion, verify
 from lab.fabric.capture import Captures
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.network import FabricNetwork, MachinePart
-from lab.fabric.telemetry import QueueSample, QueueTelemetry
+from lab.fabric.telemetry import QueueSample, QueueTelemetry, hottest
 from lab.kernel.probe import PairResult
 from lab.kernel.queues import QueueParams, RedParams
 from lab.session import Session
 from traffic import clock
 from topologies.base import FabricTopo
+from topologies.fabric import interface_port
 from topologies.partition import Partition, split
 from topologies.registry import build_topo
 
@@ -719,7 +720,7 @@ class Cluster:
 
     def machine_of_port(self, intf: str) -> int:
         """The machine whose switch has this port ("fl-lf0-eth2")."""
-        return self.partition.placement[intf.rpartition("-eth")[0]]
+        return self.partition.placement[interface_port(intf)[0]]
 
     def verify(self, tries: int = 3) -> verify.Reachability:
         """Every pair of the whole fabric, probed from its source's machine."""
@@ -797,7 +798,7 @@ class ClusterTelemetry:
         return self._samples("latest", "latest", self.head.latest())
 
     def hottest(self, n: int = 8) -> list[tuple[str, QueueSample]]:
-        return sorted(self.latest().items(), key=lambda kv: -kv[1].backlog_bytes)[:n]
+        return hottest(self.latest(), n)
 
     def sampling(self) -> dict:
         return {**self.head.sampling(), "machines": self.machines}

@@ -4,7 +4,7 @@ import ipaddress
 import pytest
 
 from controllers.routes import Deliver, Forward, arp_answers, routes_for
-from topologies.fabric import interface_name
+from topologies.fabric import interface_name, interface_port
 from topologies.params import ParamError
 from topologies.registry import build_topo, make_params
 
@@ -28,6 +28,9 @@ def test_sizes_and_unique_addresses(kind, kw, hosts, switches):
     for ln in f.links:         # Linux interface names have at most 15 characters
         assert len(interface_name(ln.a, ln.a_port)) <= 15
         assert len(interface_name(ln.b, ln.b_port)) <= 15
+        # and each name leads back to its node and port (telemetry, a cluster's captures)
+        assert interface_port(interface_name(ln.a, ln.a_port)) == (ln.a, ln.a_port)
+        assert interface_port(interface_name(ln.b, ln.b_port)) == (ln.b, ln.b_port)
 
 
 def test_rack_has_fast_scaleup_links():

@@ -22,6 +22,12 @@ def interface_name(node: str, port: int) -> str:
     return f"{node}-eth{port}"
 
 
+def interface_port(name: str) -> tuple[str, int] | None:
+    """interface_name's inverse: (node, port), or None for a name it does not make."""
+    node, _, port = name.rpartition("-eth")
+    return (node, int(port)) if node and port.isdigit() else None
+
+
 @dataclass
 class Switch:
     name: str

@@ -34,7 +34,7 @@ import numpy as np
 
 from lab.core.errors import LabError
 from lab.kernel import dataplane, queues, tcnl
-from topologies.fabric import Fabric
+from topologies.fabric import Fabric, interface_port
 
 CONTROLLER_READ_S = 0.05
 INSIDE = "inside"     # drops' key for RoCE frames a switch took in and sent nowhere
@@ -223,10 +223,11 @@ class QueueTelemetry:
                 name = socket.if_indextoname(ifindex)
             except OSError:
                 return None
-            sw, _, port = name.rpartition("-eth")
+            where = interface_port(name)
+            sw = where[0] if where else ""
             known = (self.fabric is None and sw.startswith("fl-")) or \
                 (self.fabric is not None and sw in {s.name for s in self.fabric.switches})
-            self._names[ifindex] = (sw, int(port)) if known and port.isdigit() else None
+            self._names[ifindex] = where if known else None
         return self._names[ifindex]
 
     def sample(self, nl: tcnl.Netlink) -> dict[str, QueueSample]:
@@ -567,7 +568,12 @@ class QueueTelemetry:
                 "samples": len(iv)}
 
     def hottest(self, n: int = 8) -> list[tuple[str, QueueSample]]:
-        return sorted(self.latest().items(), key=lambda kv: -kv[1].backlog_bytes)[:n]
+        return hottest(self.latest(), n)
+
+
+def hottest(latest: dict[str, QueueSample], n: int) -> list[tuple[str, QueueSample]]:
+    """The n queues holding most now, the fullest first."""
+    return sorted(latest.items(), key=lambda kv: -kv[1].backlog_bytes)[:n]
 
 
 def render(rows: list[tuple[str, QueueSample]], previous: dict[str, QueueSample] | None = None

@@ -14,10 +14,10 @@ done), session (what the session adds: telemetry).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
-Measured (12-05, session 22, 2 cores, OVS userspace): 256 hosts 18.7 s (build 4.7,
-verify 13.3, teardown 0.8), every pair; 1024 leaf-spine 48.0 s (build 25.8, verify 14.8,
-teardown 7.3), every sampled pair; 1024 fat-tree k=16 159.4 s (build 85.0: switches 38.0;
-verify 23.1; teardown 51.3: bridges 44.3), every sampled pair. See the README.
+Measured (12-06, session 26, 2 cores, OVS userspace): 256 hosts 19.0 s (build 5.1,
+verify 13.2, teardown 0.8), every pair; 1024 leaf-spine 45.0 s (build 24.1, verify 14.5,
+teardown 6.5), every sampled pair; 1024 fat-tree k=16 160.7 s (build 85.9: switches 39.1;
+verify 22.8; teardown 52.0: bridges 44.9), every sampled pair. See the README.
 """
 import argparse
 import time

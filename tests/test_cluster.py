@@ -4,7 +4,11 @@ import os
 import socket
 import subprocess
 
+import pytest
 from conftest import FABRICLAB, REPO, fabriclab
+
+from lab.core.errors import LabError
+from lab.vm.machine import check_memory
 
 
 def _free_port() -> int:
@@ -90,3 +94,15 @@ def test_run_across_machines_says_what_cannot():
     r = fabriclab("run", "incast", "--machines", "127.0.0.1,127.0.0.2", timeout=60)
     assert r.returncode == 2 and "at most 1 machines" in r.stderr, r.stderr
     assert "--set leaves=" in r.stderr, r.stderr
+
+
+def test_two_lab_vms_are_refused_plainly_where_memory_is_short(tmp_path):
+    """The cluster tier boots two 3 GB lab VMs; qemu takes a guest's memory only as it is
+    touched, so a short host would fail mid-run. The lab says so before booting."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8000000 kB\nMemFree:         4000000 kB\n"
+                       "MemAvailable:    5120000 kB\n")
+    with pytest.raises(LabError) as e:
+        check_memory(6144, "two lab VMs of 3072 MB", meminfo)
+    assert "needs 6144 MB" in str(e.value) and "5000 MB available" in str(e.value)
+    check_memory(3072, "a lab VM of 3072 MB", meminfo)     # one fits

@@ -134,9 +134,22 @@ def _nic(netdev: str) -> list[str]:
     return ["-netdev", f"{netdev},id=n0", "-device", f"virtio-net-pci,netdev=n0,mac={mac}"]
 
 
+def check_memory(need_mb: int, what: str, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Refuse to boot `what` when the host has less than `need_mb` available: qemu takes
+    a guest's memory as the guest touches it, so an overcommitted host would not fail
+    at boot but kill a VM (or the lab's processes) midway through a run."""
+    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+    available_mb = int(fields["MemAvailable"].split()[0]) // 1024
+    if available_mb < need_mb:
+        raise LabError(f"{what} needs {need_mb} MB of memory and this machine has "
+                       f"{available_mb} MB available: stop what holds it (`free -m`, "
+                       f"`ps -eo rss,cmd --sort=-rss`) or run on a machine with more")
+
+
 def run(img: Image, command: str, opts: VMOptions, out=None) -> RunResult:
     """Boot, run COMMAND as root in the shared tree, stream its output; its exit code."""
     out = out or sys.stdout.buffer
+    check_memory(opts.memory_mb, f"a lab VM of {opts.memory_mb} MB")
     accel, why = accelerator(img, opts.accel)
     with tempfile.TemporaryDirectory(prefix="fabriclab-vm-") as tmp:
         ctl = Path(tmp)

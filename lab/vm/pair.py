@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from lab.core.errors import LabError
 from lab.vm.image import REPO
+from lab.vm.machine import VMOptions, check_memory
 
 SUBNET = "10.99.0"
 MTU = 9000
@@ -81,6 +82,8 @@ def run(head: str, worker: str, timeout_min: float = 30, echo=print) -> tuple[Ou
     """Machine 0 runs `head`, machine 1 runs `worker`; both outcomes once machine 0 is
     done (machine 1 is given LINGER_S to finish, then stopped). `echo` gets every line
     of both consoles, prefixed with the machine."""
+    each_mb = VMOptions().memory_mb      # `fabriclab vm run`'s default, as _start runs it
+    check_memory(2 * each_mb, f"two lab VMs of {each_mb} MB (a cluster on one host)")
     port = _free_port()
     procs = [None, None]
     outcomes = (Outcome(-1), Outcome(-1))

@@ -10,7 +10,9 @@ The build splits into: namespaces_links (from the start: the controller's launch
 Mininet's host namespaces and veths), switches (the OVS bridges and their ports),
 queues (tc on every port), dataplane (BPF programs attached), programming (the
 controller's flows on every switch, until each answered a barrier, once the rest is
-done), session (what the session adds: telemetry).
+done), session (what the session adds: telemetry). "OVS MB": ovs-vswitchd's resident
+memory with the fabric up (it keeps what it once held, so after a larger fabric the
+column shows that one's).
 
     sudo .venv/bin/python bench/scale.py [--sizes 16,64,256,1024] [--fat-tree]
 
@@ -23,6 +25,7 @@ import argparse
 import time
 
 from lab.fabric import verify
+from lab.kernel import ovs
 from lab.session import Session
 from topologies.registry import build_topo
 
@@ -61,19 +64,20 @@ def main() -> None:
             t1 = time.monotonic()
             rep = verify.measure(net.fabric, pids, per_host=per_host)
             t_verify = time.monotonic() - t1
+            ovs_mb = ovs.memory_mb() or 0.0
         total = time.monotonic() - t0
-        rows.append((n, kind, t_ready, t_verify, net.timings["teardown_s"], total,
+        rows.append((n, kind, t_ready, t_verify, net.timings["teardown_s"], total, ovs_mb,
                      f"{rep.reachable}/{len(rep.pairs)}" + (" (sampled)" if per_host else ""),
                      {**{k: net.timings.get(k, 0.0) for k in STAGES + TEARDOWN},
                       "session_s": t_ready - net.timings.get("ready_s", t_ready)}))
         print(f"  {n} hosts ({kind}) done in {total:.1f} s", flush=True)
     print(f"\n{'hosts':>6} {'topology':>10} {'build s':>8} {'verify s':>9} {'teardown s':>11} "
-          f"{'total s':>8} {'pairs reachable':>26} {'goal':>10}")
-    for n, kind, b, v, t, total, reach, _ in rows:
+          f"{'total s':>8} {'OVS MB':>7} {'pairs reachable':>26} {'goal':>10}")
+    for n, kind, b, v, t, total, mb, reach, _ in rows:
         goal = f"<{GOAL_S[n]:.0f} s " + ("met" if total < GOAL_S[n] else "MISSED") \
             if n in GOAL_S else ""
-        print(f"{n:>6} {kind:>10} {b:>8.1f} {v:>9.1f} {t:>11.1f} {total:>8.1f} {reach:>26} "
-              f"{goal:>10}")
+        print(f"{n:>6} {kind:>10} {b:>8.1f} {v:>9.1f} {t:>11.1f} {total:>8.1f} {mb:>7.0f} "
+              f"{reach:>26} {goal:>10}")
     print("\nthe build, by stage (s): " + ", ".join(s.removesuffix("_s") for s in STAGES))
     for n, kind, *_, stages in rows:
         print(f"{n:>6} {kind:>10} " + " ".join(f"{stages[s]:>8.1f}" for s in STAGES))

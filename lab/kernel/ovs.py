@@ -89,6 +89,20 @@ def datapath() -> str:
     return "kernel" if kernel_datapath_available() else "user"
 
 
+def memory_mb() -> float | None:
+    """ovs-vswitchd's resident memory (MB), None if it is not running. Debian starts it
+    with --mlockall, so what it once held stays resident: a measure of what a fabric
+    needs of the machine."""
+    try:
+        pid = int(PIDFILE.read_text().split()[0])
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, ValueError, IndexError):
+        return None
+    kb = next((int(line.split()[1]) for line in status.splitlines()
+               if line.startswith("VmRSS:")), None)
+    return kb / 1024 if kb is not None else None
+
+
 def _service(action: str) -> None:
     if Path("/run/systemd/system").exists() and which("systemctl"):
         ok = _ok(["systemctl", action, "openvswitch-switch"], timeout=60)

@@ -59,7 +59,8 @@ def test_ecmp_vs_spray(tmp_path, pace):
     # at 1 MB, RC's collisions in the lab VM outlasted its timeout)
     out, flow_mb = tmp_path / "ev", pace("ecmp-vs-spray").size
     r = fabriclab("run", "ecmp-vs-spray", "--set", f"flow_mb={flow_mb:g}", "--capture",
-                  "fl-lf0", "--capture-mb", "60", "--out", str(out), timeout=600)
+                  "fl-lf0", "--capture-mb", "60", *wire.HEADERS_ONLY, "--out", str(out),
+                  timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     mx = m["metrics"]

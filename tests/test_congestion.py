@@ -471,6 +471,7 @@ def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf") -> di
     the captures can count equal to their count."""
     args = [a for kv in settings for a in ("--set", kv)]
     r = fabriclab("run", "incast", *args, "--capture", "fl-lf0", "--capture-mb", "60",
+                  *wire.HEADERS_ONLY,
                   "--congestion-datapath", datapath, "--out", str(out),
                   timeout=int(400 / machine_factor))
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
@@ -614,7 +615,8 @@ def test_pfc_spreads_and_blocks_a_victim_ecn_does_not(tmp_path):
     equal to their count."""
     out = tmp_path / "spread"
     r = fabriclab("run", "pfc-spreading", "--set", "incast_kb=150", "--set", "victim_kb=700",
-                  "--capture", "fl-lf0,fl-lf1", "--capture-mb", "60", "--out", str(out),
+                  "--capture", "fl-lf0,fl-lf1", "--capture-mb", "60", *wire.HEADERS_ONLY,
+                  "--out", str(out),
                   timeout=400)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())

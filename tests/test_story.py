@@ -60,8 +60,8 @@ def test_link_failure_rc_stalls_until_rerouted_mrc_does_not(tmp_path, workload, 
                   "--set", f"flow_kb={pace.kb(900)}", "--set", f"allreduce_kb={pace.kb(512)}",
                   "--set", f"fail_after_s={pace.s(0.4)}",
                   "--set", f"reroute_delay_ms={reroute_s * 1000:g}", "--out", str(out),
-                  *(["--capture", "fl-lf0", "--capture-mb", "40"] if workload == "transfer"
-                    else []), timeout=600)
+                  *(["--capture", "fl-lf0", "--capture-mb", "40", *wire.HEADERS_ONLY]
+                    if workload == "transfer" else []), timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     rc, mrc = m["rc"], m["mrc"]
@@ -259,7 +259,7 @@ def test_plane_failure_retransmissions_against_the_wire(tmp_path):
     ports = {interface_name(i.switch, i.port): i.mac for h in fabric.hosts for i in h.interfaces}
     out = tmp_path / "plane"
     r = fabriclab("run", "plane-failure", "--capture", ",".join(sorted(ports)),
-                  "--capture-mb", "40", "--out", str(out), timeout=600)
+                  "--capture-mb", "40", *wire.HEADERS_ONLY, "--out", str(out), timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
     cap = wire.RunCaptures(out)

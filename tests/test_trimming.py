@@ -28,7 +28,7 @@ def test_trimming_at_the_defaults_counts_what_the_wire_shows(tmp_path, machine_f
     what tcpdump reports it lost itself."""
     out = tmp_path / "trimming"
     r = fabriclab("run", "trimming", "--capture", "fl-lf0", "--capture-mb", "60",
-                  "--out", str(out), timeout=int(300 / machine_factor))
+                  *wire.HEADERS_ONLY, "--out", str(out), timeout=int(300 / machine_factor))
     assert (out / "metrics.json").exists(), r.stdout + r.stderr
     m = json.loads((out / "metrics.json").read_text())
     failed = unexcused_failures(m)

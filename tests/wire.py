@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.tour import CAPTURE_SNAPLEN
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT, Opcode
 
@@ -21,6 +22,10 @@ FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield
           "macc.cbfc.pause_time.c3", "macc.cbfc.pause_time.c4", "macc.cbfc.pause_time.c5",
           "macc.cbfc.pause_time.c6", "macc.cbfc.pause_time.c7", "eth.src",
           "frame.len"]
+# The tests' captures keep each frame's headers only (the tour's snaplen: Ethernet to
+# RoCE's extension headers), which hold every field above: a cap of N MB then holds ~10x
+# the frames (a trimming run on a software CPU resent enough to fill 60 MB of whole ones).
+HEADERS_ONLY = ["--capture-snaplen", str(CAPTURE_SNAPLEN)]
 OPCODE_CNP = 129
 LAST_DATA_OPCODE = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
 MAC_CONTROL_PFC = 0x0101

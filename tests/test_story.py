@@ -1,11 +1,12 @@
 """The story experiments at small size: the GPUs wait on the network, and the fixes help."""
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 
 import wire
 from conftest import fabriclab
-from lab.experiments import plane_failure
+from lab.experiments import link_failure, plane_failure
 from topologies.fabric import Fabric, interface_name
 from topologies.registry import build_topo
 from traffic.constants import Opcode
@@ -104,6 +105,20 @@ def test_gray_failures_at_the_defaults(tmp_path, failure):
         assert rc["retransmitted_packets"] > 0 and mrc["retransmitted_packets"] > 0
     from lab.kernel import impair
     assert impair.gray_tables() == []          # the burst table went with the run
+
+
+def test_a_gray_failures_time_limit_allows_for_the_rate_it_leaves():
+    """On a slow machine (x0.05: 0.5 Mb/s links, a quarter of the sizes) the minimum
+    limit no longer covers RC's QP through a link degraded to a quarter of its rate."""
+    gpus = NS(hosts=[NS(interface=lambda: NS(rate_mbps=0.5))])
+
+    def limit_s(failure: str) -> float:
+        ctx = NS(params=link_failure.Params(allreduce_kb=256, failure=failure))
+        return link_failure.time_limit_s(ctx, gpus)
+    ideal_s = 2 * 256 * 1024 * 8 / 0.5e6
+    assert limit_s("down") == 120.0 > 4 * ideal_s               # the minimum covers it
+    assert limit_s("degrade") == pytest.approx(4 * ideal_s / 0.25)
+    assert limit_s("burst-loss") == 120.0
 
 
 def pace_factor(result: dict) -> float:

@@ -192,10 +192,15 @@ def settle_routes(ctx: RunContext, since: float, t_up: float) -> None:
 
 def time_limit_s(ctx: RunContext, gpus: GpuAgents) -> float:
     """How long the workload may take: a ring all-reduce sends each GPU's vector out
-    twice, nearly (reduce-scatter, then all-gather), through one GPU's link."""
+    twice, nearly (reduce-scatter, then all-gather), through one GPU's link; a flow
+    pinned to the failed link gets only what the failure leaves of its rate (on a slow
+    machine, where the minimum limit no longer covers it, RC's QP crawling through a
+    degraded link outlasted a limit sized for the whole rate)."""
     p = ctx.params
     nbytes = 2 * p.allreduce_kb * 1024 if p.workload == "allreduce" else p.flow_kb * 1024
-    return traffic_timeout_s(nbytes, gpus.hosts[0].interface().rate_mbps)
+    left = {"degrade": p.degrade_to, "flap": 0.5,
+            "burst-loss": 1 - p.burst_ms / p.burst_every_ms}.get(p.failure, 1.0)
+    return traffic_timeout_s(nbytes, gpus.hosts[0].interface().rate_mbps * left)
 
 
 def transfer(ctx: RunContext, gpus: GpuAgents, transport: str, params: dict | None) -> dict:

@@ -214,7 +214,7 @@ def cmd_run(args) -> int:
         return 0 if result["passed"] else 1
     print(summary_table(report.variants(result["metrics"])))
     for c in result["claims"]:
-        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: measured "
+        print(f"  [{readable.verdict(c)}] {c['name']}: measured "
               f"{readable.claim_measured(c)}, expected {c['expected']}")
     print(f"results: {workdir}/metrics.json\nreport:  {workdir}/report.html "
           f"(and report.md)")

@@ -60,6 +60,13 @@ def measured(value, unit: str = "") -> str:
     return str(value)
 
 
+def verdict(claim: dict) -> str:
+    """PASS, FAIL, or FAIL with the machine's load named (a starved claim)."""
+    if claim["passed"]:
+        return "PASS"
+    return "FAIL (machine load)" if claim.get("starved") else "FAIL"
+
+
 def claim_measured(claim: dict) -> str:
     """What a claim (as metrics.json holds it) measured, in its unit."""
     return measured(claim["measured"], claim.get("unit", ""))

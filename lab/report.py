@@ -400,7 +400,7 @@ def _fmt(v) -> str:
 
 def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) for the report's tables."""
-    claims = [[("PASS" if c["passed"] else "FAIL"), c["name"], readable.claim_measured(c),
+    claims = [[readable.verdict(c), c["name"], readable.claim_measured(c),
                str(c["expected"])] for c in result["claims"]]
     out = [("Claims", ["", "claim", "measured", "expected"], claims)]
     params = {**result["params"], **{f"topology.{k}": v for k, v in result["topology"].items()}}
@@ -503,7 +503,7 @@ def html_page(result: dict, plots: list[tuple[str, Path]]) -> str:
         body.append(f"<h2>{esc(title)}</h2><table><tr>"
                     + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
         for row in rows:
-            cls = {"PASS": " class=pass", "FAIL": " class=fail"}.get(row[0], "")
+            cls = {"PASS": " class=pass", "FAIL": " class=fail"}.get(str(row[0]).split(" ")[0], "")
             body.append(f"<tr{cls}>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>")
         body.append("</table>")
     for title, path in plots:

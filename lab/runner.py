@@ -267,7 +267,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         if telemetry.error:
             log.warning(f"queue telemetry stopped: {telemetry.error}")
     timings = dict(net.timings)
-    claims = mod.claims(params, metrics)
+    claims = experiment.name_starved(mod.claims(params, metrics), metrics)
     warnings = []
     if metrics.get("cpu_bound_hosts"):
         remedy = ("run `fabriclab calibrate` once so the defaults fit this machine"

@@ -196,7 +196,7 @@ def write_index(out: Path, done: list[ChapterResult]) -> Path:
                + _status(r) + f" in {r.seconds:.0f} s; "
                + (f"error: {r.error}" if r.error else f"[report]({r.workdir.name}/report.html)"),
                ""]
-        md += [f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: measured "
+        md += [f"- {readable.verdict(c)} {c['name']}: measured "
                f"{readable.claim_measured(c)}, expected {c['expected']}" for c in r.claims]
         md += [f"- warning: {w}" for w in (r.result or {}).get("warnings", [])]
         md.append("")
@@ -222,7 +222,7 @@ def _html(done: list[ChapterResult], total: float) -> str:
                     + f"</code> &middot; {esc(_status(r))} in {r.seconds:.0f} s &middot; "
                     f"{link}</p><ul>")
         body += [f"<li class={'pass' if c['passed'] else 'fail'}>"
-                 f"{'PASS' if c['passed'] else 'FAIL'} {esc(c['name'])}: measured "
+                 f"{readable.verdict(c)} {esc(c['name'])}: measured "
                  f"{esc(readable.claim_measured(c))}, expected {esc(str(c['expected']))}</li>"
                  for c in r.claims]
         body += [f"<li class=warn>warning: {esc(w)}</li>"

@@ -95,10 +95,8 @@ def unexcused_failures(result: dict) -> list[dict]:
     """A run's failed claims (metrics.json) but those the run excuses. On a machine
     slower than the reference (machine_factor < 1: the lab VM's software CPU) a run
     holds its claims or names the mechanism the machine's load defeated (issue 13,
-    item 5): a failed claim whose variant (its name's part before ':') a "starved"
-    entry names is excused there. At machine_factor 1 nothing is."""
-    named = {w.split(":")[0] for w in result["metrics"].get("starved", [])} \
-        if result["machine_factor"] < 1 else set()
-    return [c for c in result["claims"]
-            if not c["passed"] and c["name"].split(":")[0] not in named]
+    item 5): a failed claim the run says was starved (lab/experiments/base.py:
+    name_starved) is excused there. At machine_factor 1 nothing is."""
+    slow = result["machine_factor"] < 1
+    return [c for c in result["claims"] if not c["passed"] and not (slow and c.get("starved"))]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lab import browser, readable, report, tour
-from lab.experiments.base import Claim
+from lab.experiments.base import Claim, name_starved
 
 VARIANTS = ("none", "ecn", "pfc", "ecn+pfc")
 T0 = 1_764_700_000.0          # unix time, as queues.csv and counted_unix_s hold it
@@ -106,6 +106,25 @@ def test_the_report_shows_claims_as_text_and_keeps_the_raw_values(incast_report)
     assert "3,246 bytes (3.2 KB)" in page
     raw = json.loads((incast_report / "metrics.json").read_text())["claims"]
     assert raw[2]["measured"] == {"drops": 0, "pause_frames_sent": 4518}
+
+
+def test_a_failed_claim_names_the_machine_load_that_decided_it():
+    """A claim the load decided says so (the run's report and the tour show it): its
+    variant named starved by the experiment, or a timing claim where hosts were
+    CPU-bound. Any other miss is the lab's, and a timing claim's too where no host was."""
+    claims = [Claim("pfc: no drop", False, 3, "0"),
+              Claim("MRC's stall is shorter", False, "mrc 1 s", "< rc", timing=True),
+              Claim("every GPU holds the mean", False, False, "True"),
+              Claim("MRC finishes sooner", True, "mrc 1 s", "< rc", timing=True)]
+    metrics = {"starved": ["pfc: fl-lf0 lost 3 frames inside OVS's user-space datapath"],
+               "cpu_bound_hosts": ["g0", "g1"]}
+    named = name_starved(claims, metrics)
+    assert named[0].starved == metrics["starved"][0]
+    assert named[1].starved.startswith("hosts g0, g1 were CPU-bound")
+    assert named[2].starved is None and named[3].starved is None
+    assert [readable.verdict(c.__dict__) for c in named] == [
+        "FAIL (machine load)", "FAIL (machine load)", "FAIL", "PASS"]
+    assert name_starved(claims, {"cpu_bound_hosts": []})[1].starved is None
 
 
 def test_the_tour_index_shows_claims_as_text(tour_index):

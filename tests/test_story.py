@@ -5,7 +5,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 import wire
-from conftest import fabriclab
+from conftest import fabriclab, unexcused_failures
 from lab.experiments import link_failure, plane_failure
 from topologies.fabric import Fabric, interface_name
 from topologies.registry import build_topo
@@ -87,7 +87,7 @@ def test_gray_failures_at_the_defaults(tmp_path, failure):
                   timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
-    assert all(c["passed"] for c in result["claims"]), r.stdout
+    assert not unexcused_failures(result), r.stdout
     rc, mrc = result["metrics"]["rc"], result["metrics"]["mrc"]
     for m in (rc, mrc):
         assert m["failure"] == failure
@@ -152,7 +152,7 @@ def test_mrc_on_a_multi_plane_rack_uses_every_plane_as_the_model_says(tmp_path):
                   "--out", str(out), timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
-    assert all(c["passed"] for c in result["claims"]), r.stdout
+    assert not unexcused_failures(result), r.stdout
     fabric = Fabric.load(out / "fabric.json")
     port = fabric.hosts[0].interface()
     assert result["metrics"]["scaleout_mbps"] == pytest.approx(2 * port.rate_mbps)
@@ -301,7 +301,7 @@ def test_plane_failure_at_the_defaults_and_the_planes_bytes_against_the_wire(tmp
                   timeout=600)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
-    assert all(c["passed"] for c in result["claims"]), r.stdout
+    assert not unexcused_failures(result), r.stdout
     cap = wire.RunCaptures(out)
     ports = sorted(cap.ports)
     slack = cap.tcpdump_dropped(ports)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fabriclab
+from conftest import fabriclab, unexcused_failures
 from lab.core.errors import UsageError
 from lab.experiments import training_job as tj
 from topologies.registry import build_topo
@@ -93,7 +93,7 @@ def test_training_job_at_the_defaults(tmp_path):
     r = fabriclab("run", "training-job", "--out", str(out), timeout=900)
     assert (out / "metrics.json").exists(), r.stdout + r.stderr   # the run finished
     result = json.loads((out / "metrics.json").read_text())
-    assert all(c["passed"] for c in result["claims"]), r.stdout
+    assert not unexcused_failures(result), r.stdout
     m = result["metrics"]
     inside, across = m["tp-in-rack"], m["tp-across"]
     assert inside["networks"]["tp"] == ["scale-up"] and across["networks"]["tp"] == ["scale-out"]

@@ -44,6 +44,30 @@ class Claim:
     measured: Any
     expected: str
     unit: str = ""      # of every number in measured, for the report (lab/readable.py)
+    # A claim on timings (rates, stalls, speedups), which the emulation keeps only while
+    # its GPU hosts keep up: where they were CPU-bound, a miss is the machine's.
+    timing: bool = False
+    # Why the machine's load, not the lab, decided this failed claim (name_starved).
+    starved: str | None = None
+
+
+def name_starved(claims: list[Claim], metrics: dict) -> list[Claim]:
+    """The claims, each failed one that the machine's load decided saying why: its
+    variant (the name's part before ':') named in metrics' "starved" (a mechanism the
+    load defeated, which the experiment names), or a timing claim in a run whose hosts
+    were CPU-bound. A run on a slow machine holds its claims or names what starved
+    (issue 13, item 5); the claim still counts as failed."""
+    named = {w.split(":")[0]: w for w in metrics.get("starved", [])}
+    busy = metrics.get("cpu_bound_hosts") or []
+    out = []
+    for c in claims:
+        why = None
+        if not c.passed:
+            why = named.get(c.name.split(":")[0]) or (
+                f"hosts {', '.join(busy)} were CPU-bound: timings there are not faithful"
+                if c.timing and busy else None)
+        out.append(dataclasses.replace(c, starved=why))
+    return out
 
 
 @dataclass

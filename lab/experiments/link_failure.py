@@ -328,7 +328,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
                  {"rc": rc["intact"], "mrc": mrc["intact"]}, "both True")]
     stall = Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
                   mrc["stall_s"] < STALL_RATIO * rc["stall_s"],
-                  f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s")
+                  f"mrc {mrc['stall_s']} s", f"< {STALL_RATIO} x rc {rc['stall_s']} s",
+                  timing=True)
     if params.failure == "down":
         return out + [
             Claim("the controller rerouted around the failed link",
@@ -345,7 +346,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
                             min(downs.values()) >= 2, downs, ">= 2 link-down events, both"),
                       Claim("MRC finishes sooner than RC (RC's QP stays pinned to the "
                             "flapping link)", mrc["completion_s"] < rc["completion_s"],
-                            f"mrc {mrc['completion_s']} s", f"< rc {rc['completion_s']} s")]
+                            f"mrc {mrc['completion_s']} s", f"< rc {rc['completion_s']} s",
+                            timing=True)]
     # a gray failure the routing cannot see: the link stays up
     seen = {v: {"link_down_events": x["link_down_events"],
                 "rerouted": x["rerouted_after_s"] is not None}
@@ -359,7 +361,7 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          f"time (RC's QP stays pinned to it)",
                          mrc["completion_s"] < GRAY_RATIO * rc["completion_s"],
                          f"mrc {mrc['completion_s']} s",
-                         f"< {GRAY_RATIO} x rc {rc['completion_s']} s"))
+                         f"< {GRAY_RATIO} x rc {rc['completion_s']} s", timing=True))
     else:       # burst-loss: each burst costs RC a window, MRC what was lost
         out.append(Claim(f"MRC resends under {GRAY_RATIO} of what RC resends (selective "
                          f"repeat against go-back-N after every burst)",

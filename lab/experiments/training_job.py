@@ -463,7 +463,7 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          f"in rack {a['step_s_mean']:.3f} s (GPU idle "
                          f"{a['idle_fraction_mean']:.0%})",
                          f"< across {b['step_s_mean']:.3f} s (GPU idle "
-                         f"{b['idle_fraction_mean']:.0%})"))
+                         f"{b['idle_fraction_mean']:.0%})", timing=True))
     if "checkpoint" in ran and "error" not in m["checkpoint"]["checkpoint"]:
         with_ckpt = dp_seconds(m["checkpoint"], True)
         without = dp_seconds(m["checkpoint"], False) + \
@@ -473,5 +473,6 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          f"{CHECKPOINT_SLOWDOWN}x at least)",
                          bool(with_ckpt) and min(with_ckpt) >= CHECKPOINT_SLOWDOWN * base,
                          f"{min(with_ckpt, default=float('nan')):.3f} s",
-                         f">= {CHECKPOINT_SLOWDOWN} x {base:.3f} s (the steps without)"))
+                         f">= {CHECKPOINT_SLOWDOWN} x {base:.3f} s (the steps without)",
+                         timing=True))
     return out

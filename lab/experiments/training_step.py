@@ -260,7 +260,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
     if "clean" in idle and "incast" in idle:
         out.append(Claim("a background incast raises the GPU idle fraction",
                          idle["incast"] > idle["clean"],
-                         f"incast {idle['incast']:.3f}", f"> clean {idle['clean']:.3f}"))
+                         f"incast {idle['incast']:.3f}", f"> clean {idle['clean']:.3f}",
+                         timing=True))
     if "incast" in idle and "incast+ecn" in idle:
         # (the idle fraction under ECN is reported, not claimed: DCQCN slows the ring's
         # own flow into the congested GPU too; measured, it stayed at the incast's level)
@@ -278,5 +279,5 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          "pinned flows (which collide on a spine in some steps)",
                          idle["spray"] < idle["collision"],
                          f"spray {idle['spray']:.3f}", f"< collision (RC) "
-                         f"{idle['collision']:.3f}"))
+                         f"{idle['collision']:.3f}", timing=True))
     return out

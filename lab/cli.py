@@ -190,6 +190,8 @@ def cmd_run(args) -> int:
     console.attach("stderr" if args.json else "stdout")   # stdout: the JSON alone
     if args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
+    if args.capture_snaplen < 0:
+        raise UsageError("--capture-snaplen must be 0 (whole frames) or more")
     across = {"machines": args.machines} if args.machines else {}
     across.update((k, v) for k, v in (("worker_port", args.worker_port),
                                       ("connect_timeout_s", args.wait)) if v is not None)
@@ -197,6 +199,7 @@ def cmd_run(args) -> int:
         out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
                                      capture=args.capture,
                                      capture_mb=args.capture_mb,
+                                     capture_snaplen=args.capture_snaplen,
                                      controller_runtime=args.controller_runtime,
                                      use_dataplane=args.congestion_datapath == "bpf", **across)
         if args.json:
@@ -207,6 +210,7 @@ def cmd_run(args) -> int:
         return 0 if summary["all_held"] else 1
     workdir, result = runner.run(args.name, args.set or [], args.out, capture=args.capture,
                                  live=args.live, capture_mb=args.capture_mb,
+                                 capture_snaplen=args.capture_snaplen,
                                  controller_runtime=args.controller_runtime,
                                  use_dataplane=args.congestion_datapath == "bpf", **across)
     if args.json:
@@ -472,6 +476,9 @@ def build_parser() -> Parser:
                    "or GPU host, comma-separated) into captures/")
     r.add_argument("--capture-mb", type=float, default=20.0, metavar="MB",
                    help="size cap of each port's pcap (default 20)")
+    r.add_argument("--capture-snaplen", type=int, default=0, metavar="BYTES",
+                   help="keep the first BYTES of each frame (128: every header up to "
+                        "RoCE's, so the cap holds ~10x the frames); default 0: all")
     r.add_argument("--live", action="store_true",
                    help="print the hottest queues every second while it runs")
     r.add_argument("--congestion-datapath", choices=["bpf", "sampling"], default="bpf",

@@ -19,7 +19,8 @@ The rules checked (each violation names the frame that shows it):
                      started, and its reaction); the pause's time needs the link's rate
   cnp-interval       CNPs to one QP come no more often than DCQCN's interval
 A frame's priority is its DSCP's in the lab's map (traffic/constants.py). A capture
-inside a lab run's directory takes the link rate and the CNP interval from the run.
+inside a lab run's directory takes the link rate, the CNP interval and the machine's
+factor (the grace stretches with it) from the run.
 """
 from __future__ import annotations
 
@@ -149,6 +150,12 @@ class Flow:
                 "nacks": self.nacks, "cnps": self.cnps}
 
 
+# A host's reaction on the reference machine; a run on a slower one stretches it as the
+# runner stretches its times (machine_factor): on a software CPU (x0.28) an MRC sender
+# resent a PSN 3.2 ms after its SACK passed the switch port, before the SACK reached it.
+REACTION_GRACE_MS = 2.0
+
+
 @dataclass
 class Violation:
     frame: int
@@ -160,8 +167,8 @@ class Violation:
 class Settings:
     rate_mbps: float | None = None       # the link's: a pause's length in time
     cnp_interval_ms: float = DcqcnParams().cnp_interval_s * 1e3
-    reaction_grace_ms: float = 2.0       # what a host may still send after a pause or a
-    # SACK passed the capture (the lab's NICs react in software)
+    reaction_grace_ms: float = REACTION_GRACE_MS   # what a host may still send after a
+    # pause or a SACK passed the capture (the lab's NICs react in software)
     near: set | None = None              # the hosts on the captured link (None: unknown)
     # the paused end's MAC, per MAC that sends pauses (else: every other MAC is): a
     # switch may send its pauses from another MAC than the frames it forwards
@@ -366,6 +373,7 @@ def settings_of_run(pcap: Path) -> Settings:
               if isinstance(v, dict) and "rc_params" in v]
     if scales:
         s.cnp_interval_ms = DcqcnParams().at_scale(scales[0]).cnp_interval_s * 1e3
+    s.reaction_grace_ms = REACTION_GRACE_MS / metrics.get("machine_factor", 1.0)
     return s
 
 

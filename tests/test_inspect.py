@@ -1,6 +1,7 @@
 """`fabriclab inspect` on captures built for each rule, broken and kept: the violation
 named with its frame, nothing where the rule holds; and the per-flow counts. (On the
 lab's own captures: tests/test_trimming.py.) No root, no fabric: Scapy writes pcaps."""
+import json
 import shutil
 
 import pytest
@@ -8,6 +9,7 @@ from scapy.utils import wrpcap
 
 from conftest import fabriclab
 from lab import inspect
+from topologies.registry import build_topo
 from traffic.constants import PRIORITY_ROCE_DATA
 from traffic.packets import (Endpoints, ack, cnp, mrc_data, mrc_nack, mrc_sack, nak_seq_error,
                              pfc_pause, pfc_resume, rc_write_packets, trimmed)
@@ -88,6 +90,20 @@ def test_mrc_resends_only_what_no_sack_acknowledged(tmp_path):
     # not yet a violation; nor from a sender the capture is not next to
     assert rules(report(broken, reaction_grace_ms=8.0)) == []
     assert rules(report(broken, near={B.src_ip})) == []
+
+
+def test_a_run_on_a_slower_machine_stretches_the_reaction_grace(tmp_path):
+    """A capture in a run's captures/ takes the machine's factor: the hosts there react
+    that much slower (x0.25: 8 ms), as the runner stretches the run's times."""
+    run = tmp_path / "run"
+    (run / "captures").mkdir(parents=True)
+    build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1).fabric.save(
+        run / "fabric.json")
+    pcap = run / "captures" / "fl-lf0-eth1.pcap"
+    for factor, grace_ms in ((1.0, 2.0), (0.25, 8.0)):
+        (run / "metrics.json").write_text(json.dumps({"machine_factor": factor,
+                                                      "metrics": {}}))
+        assert inspect.settings_of_run(pcap).reaction_grace_ms == grace_ms
 
 
 def test_a_paused_end_sends_nothing_of_that_priority_until_the_pause_ends(tmp_path):

@@ -53,8 +53,7 @@ def pace(factor_for):
 
     def of(experiment: str) -> Pace:
         factor = factor_for(busy_ends(load(experiment)))
-        size = calibrate.size_factor(factor)
-        return Pace(size, size / factor)
+        return Pace(calibrate.size_factor(factor), calibrate.time_stretch(factor))
     return of
 
 

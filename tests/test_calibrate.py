@@ -30,6 +30,15 @@ def test_defaults_scale_with_the_machine_and_what_the_user_sets_stays():
     assert (t.scaleout_rate_mbps, t.fabric_rate_mbps, t.scaleup_factor) == (1.0, 4.0, 9.0)
     p, t, _ = runner.split_settings(incast, [], 1.0)      # a fast machine: the defaults
     assert (p.flow_kb, t.host_rate_mbps, t.rate_scale) == (1200, 10.0, 10000)
+    # a failure's times stretch as the traffic does (x0.25 sizes over x0.08 links: x3.125),
+    # so a flap meets the all-reduce as often as at the defaults; what is set stays
+    failure = runner.load("link-failure")
+    p, _, _ = runner.split_settings(failure, ["burst_ms=50"], machine_factor=0.08)
+    default = failure.Params()
+    assert (p.flap_period_ms, p.reroute_delay_ms, p.fail_after_s, p.burst_ms) == (
+        default.flap_period_ms * 3.125, default.reroute_delay_ms * 3.125,
+        default.fail_after_s * 3.125, 50)
+    assert runner.split_settings(failure, [], 0.5)[0].flap_period_ms == default.flap_period_ms
 
 
 def test_an_experiment_keeping_more_hosts_busy_runs_slower_links():

@@ -7,6 +7,9 @@ lab/experiments/ with
     SCALED_SIZES           optional: Params fields (message sizes) that shrink with the
                            link rates on a machine too slow for the defaults
                            (lab/fabric/calibrate.py)
+    SCALED_TIMES           optional: Params fields (when and how often something happens
+                           to the traffic: a failure's start, a flap's period) that
+                           stretch as long as the traffic does there (time_stretch)
     Params                 a dataclass (its `topology` field picks the fabric)
     run(ctx) -> dict       drives the fabric (ctx: a RunContext), returns measurements;
                            says what it does through logging.getLogger(__name__)
@@ -109,6 +112,11 @@ def queue_defaults(mod: ModuleType) -> dict:
 def scaled_sizes(mod: ModuleType) -> tuple[str, ...]:
     """The Params fields that shrink with the link rates on a slow machine."""
     return tuple(getattr(mod, "SCALED_SIZES", ()))
+
+
+def scaled_times(mod: ModuleType) -> tuple[str, ...]:
+    """The Params fields that stretch with the traffic's duration on a slow machine."""
+    return tuple(getattr(mod, "SCALED_TIMES", ()))
 
 
 def across_machines(mod: ModuleType) -> bool:

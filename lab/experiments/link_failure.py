@@ -64,6 +64,9 @@ SETTLE_GRACE_S = 0.5        # a link event reaches the controller's log within t
 GRAY_RATIO = 0.5            # gray failures: MRC's completion (or resends) under half RC's
 
 SCALED_SIZES = ("allreduce_kb", "flow_kb")   # shrink with the link rates on a slow machine (calibrate.py)
+# ...and the failure's times stretch as the traffic does (runner.scaled_times)
+SCALED_TIMES = ("fail_after_s", "reroute_delay_ms", "flap_period_ms", "burst_ms",
+                "burst_every_ms")
 # flow ends busy at once at the defaults (a ring over 4) (calibrate.py)
 BUSY_ENDS = 8
 

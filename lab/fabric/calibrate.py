@@ -237,3 +237,9 @@ def load() -> Calibration | None:
 
 def size_factor(factor: float) -> float:
     return max(factor, SIZE_FACTOR_FLOOR)
+
+
+def time_stretch(factor: float) -> float:
+    """How much longer a run's traffic takes at `factor`: sizes by size_factor over links
+    slowed by factor (1 down to x0.25; x3.1 at 0.08)."""
+    return size_factor(factor) / factor

@@ -76,6 +76,20 @@ def test_ecmp_vs_spray(tmp_path, pace):
     leaf_counters_equal_the_wire(out)
 
 
+def test_ecmp_vs_spray_time_limit_allows_for_every_flow_on_one_uplink():
+    """At x0.05 (a software CPU: 0.5 Mb/s links, a quarter of the sizes) RC's colliding
+    flows outlasted a fixed 120 s: the limit is 4 ideals of every flow through one of the
+    source leaf's uplinks."""
+    from topologies.registry import build_topo
+    fabric = build_topo("leaf-spine", spines=4, leaves=2, hosts_per_leaf=4,
+                        host_rate_mbps=0.5, fabric_rate_mbps=0.5).fabric
+    plan = [("g0", "g4", 250_000)] * 8
+    assert ecmp_vs_spray.time_limit_s(fabric, plan) == pytest.approx(4 * 8 * 250_000 * 8 / 0.5e6)
+    fast = build_topo("leaf-spine", spines=4, leaves=2, hosts_per_leaf=4,
+                      host_rate_mbps=10, fabric_rate_mbps=10).fabric
+    assert ecmp_vs_spray.time_limit_s(fast, plan) == 120.0    # the minimum
+
+
 def leaf_counters_equal_the_wire(out) -> None:
     """Per variant, within the span its counters cover: the bytes each spine uplink sent
     (the kernel's tx_bytes) equal the lengths of the frames leaving fl-lf0 on it in the

@@ -127,6 +127,22 @@ def test_a_failed_claim_names_the_machine_load_that_decided_it():
     assert name_starved(claims, {"cpu_bound_hosts": []})[1].starved is None
 
 
+def test_a_background_incast_too_weak_to_drop_names_the_ecn_claim_starved():
+    """training-step on a software CPU (x0.05): the background incast delivered too
+    little to overflow the GPU's port, so the claim that ECN removes its losses failed
+    (0 < 0); the run names that claim as the load's, not only the incast."""
+    from lab.experiments import training_step
+    variant = {"idle_fraction_mean": 0.5, "all_correct": True, "switch_drops": 0,
+               "retransmitted_packets": 0, "timeouts": 0, "naks": 0}
+    m = {v: dict(variant) for v in ("clean", "incast", "incast+ecn")}
+    m["incast"]["background_load"] = 0.3
+    m["starved"] = training_step.starved(m)
+    params = training_step.Params(variants="clean,incast,incast+ecn")
+    [ecn] = [c for c in name_starved(training_step.claims(params, m), m)
+             if "ECN" in c.name]
+    assert not ecn.passed and "background incast made no switch drop" in ecn.starved
+
+
 def test_the_tour_index_shows_claims_as_text(tour_index):
     for page in (tour_index, tour_index.with_suffix(".md")):
         text = page.read_text()

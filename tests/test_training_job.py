@@ -115,12 +115,12 @@ def test_training_job_at_the_defaults(tmp_path):
     ck = m["checkpoint"]["steps"]
     mid = [s for s in ck if s["checkpoint"]][0]
     assert mid["waited_most_on"] == "slow_path", mid
-    # ...longer than any step without it: a timing, as the checkpoint claim is, so excused
-    # where that claim is (a slower machine whose hosts were CPU-bound; measured at x0.08
-    # in the lab VM: 0.330 s against 0.334)
+    # ...longer than any step without it: a timing, so excused where a timing claim would
+    # be (a slower machine whose hosts were CPU-bound: their stalls count as slow path
+    # too; measured at x0.08 in the lab VM: 0.330 s against 0.334, and at x0.06 0.74
+    # against a stalled step's 1.43 while the checkpoint claim held)
     longest_without = max(s["wait_causes"]["slow_path"] for s in ck if not s["checkpoint"])
-    ckpt_claim = next(c for c in result["claims"] if c["name"].startswith("a checkpoint"))
-    if not (result["machine_factor"] < 1 and ckpt_claim.get("starved")):
+    if not (result["machine_factor"] < 1 and m["cpu_bound_hosts"]):
         assert mid["wait_causes"]["slow_path"] > longest_without, (mid, longest_without)
     md = (out / "report.md").read_text()
     for plot in ("phase_breakdown", "wait_causes", "step_timeline"):

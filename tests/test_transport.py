@@ -404,6 +404,35 @@ def test_mrc_timer_before_and_after_samples():
     assert q.rto_s > q.srtt + 0.2 > q.srtt + MrcParams().rto_ms / 1000   # 4 rttvar rules
 
 
+@pytest.mark.parametrize("rate_mbps", [100.0, 10.0, 2.0, 0.625])
+def test_mrc_times_stretch_with_a_slow_links_packet_time(rate_mbps):
+    """A full 64 KB port drains in 52 ms at 10 Mb/s, within the timer's 100 ms margin
+    over a steady round trip; at 0.625 Mb/s (a calibrated slow machine's x0.06) it takes
+    840 ms, and a fixed margin timed out packets still queued (natively, at those rates:
+    14,126 timeouts in trimming's drop variant). The margin, the delay that counts as
+    congestion, the SACK coalescing delay, the probe's wait and the credit pool's window
+    stand for as many packets at any rate up to TIME_REFERENCE_MBPS, and stay as they
+    are above it."""
+    from traffic.mrc import TIME_REFERENCE_MBPS, CreditPool
+    p = MrcParams(line_rate_mbps=rate_mbps)
+    q = MrcQP(A, 0x101, 0x102, None, p)
+    for _ in range(20):
+        q._rtt_sample(0.002, 0.0)                       # a quick, steady path
+    drain_s = 64 * 1024 * 8 / (rate_mbps * 1e6)
+    assert q.rto_s - q.srtt > 1.5 * drain_s
+    packet_s = (p.mtu_bytes * 8) / (rate_mbps * 1e6)
+    reference_packet_s = (p.mtu_bytes * 8) / (TIME_REFERENCE_MBPS * 1e6)
+    packets = {"margin": p.rto_ms, "target": p.target_delay_ms, "sack": p.sack_delay_ms,
+               "probe": p.ev_probe_after_ms, "active": CreditPool.ACTIVE_S * 1e3}
+    got = {"margin": q.rto_margin_s, "target": q.target_delay_s, "sack": q.sack_delay_s,
+           "probe": q.ev_probe_after_s,
+           "active": CreditPool(8, line_rate_mbps=rate_mbps).active_s}
+    for k, ms in packets.items():
+        at_reference = ms / 1e3 / reference_packet_s
+        expected = at_reference * packet_s if rate_mbps < TIME_REFERENCE_MBPS else ms / 1e3
+        assert got[k] == pytest.approx(expected), k
+
+
 def test_mrc_receiver_answers_what_it_coalesced_within_sack_delay():
     """A sender whose window is full waits for the SACK of its last packets: the
     receiver's coalescing timer sends it."""

@@ -115,7 +115,8 @@ class Agent:
                 extra[net]["rccc"] = Rccc(RcccParams(**params.rccc), nic.rate_bps / 1e6,
                                           DATA_OVERHEAD_BYTES + params.mtu_bytes)
             elif getattr(params, "credit_budget_packets", 0):
-                extra[net]["credit_pool"] = CreditPool(params.credit_budget_packets)
+                extra[net]["credit_pool"] = CreditPool(params.credit_budget_packets,
+                                                       line_rate_mbps=nic.rate_bps / 1e6)
 
         def qp_to(peer_rank: int, region: Region, network: str = "scale-out"):
             if (network, peer_rank) not in qps:

@@ -18,8 +18,9 @@ Sender: a packet is lost once `reorder_packets` packets sent after it were
 acknowledged, when a NACK says it was trimmed, or when its retransmit timer fires (the timeout follows the measured
 round trip: srtt + max(4 rttvar, `rto_ms`), RFC 6298's estimator with Linux's floor on
 the variation term, and `initial_rto_ms` before the first sample; samples only from
-packets sent once, as Karn's algorithm says); only lost packets are resent,
-on another EV. An EV whose packets keep getting lost is assumed bad (MRC's EV states:
+packets sent once, as Karn's algorithm says; the times in ms, this margin among them,
+are chosen for 10 Mb/s links and stretch on slower ones: link_time_stretch); only lost
+packets are resent, on another EV. An EV whose packets keep getting lost is assumed bad (MRC's EV states:
 good, assumed_bad, probing, denied), probed out of band after a while (a probe frame
 on it, answered by the receiver on the same EV) and readmitted when a probe gets
 through; at least `min_active_evs` stay good. A denied EV (`deny_evs`, or `deny_ev()`
@@ -75,6 +76,24 @@ DATA_OVERHEAD_BYTES = WRITE_OVERHEAD_BYTES + RETH_BYTES + IMMDT_BYTES
 LOST = float("inf")                 # an in-flight packet's send time once it is declared lost
 EXT_BYTES = {Opcode.MRC_SACK: MRC_SACKX_BYTES, Opcode.MRC_NACK: MRC_NACKX_BYTES,
              Opcode.MRC_PROBE: MRC_PROBEX_BYTES, Opcode.MRC_CREDIT_REQUEST: MRC_CREQX_BYTES}                          # for roce.parse
+# The link rate MRC's times (the timer's margin, the delay that counts as congestion, the
+# SACK coalescing delay, the probe's wait, the credit pool's activity window) were chosen
+# at: the experiments' default links (10 Mb/s standing for 100 Gb/s). On a slower link a
+# packet takes longer, and these stretch with it (link_time_stretch).
+TIME_REFERENCE_MBPS = 10.0
+
+
+def link_time_stretch(line_rate_mbps: float) -> float:
+    """How much longer a packet's time is on a link of `line_rate_mbps` than at
+    TIME_REFERENCE_MBPS (1 at it or faster, or with no rate given): what MRC's times
+    stretch by, so that each stands for as many packets as where it was chosen. (On a
+    calibrated slow machine, x0.06: 0.625 Mb/s links, a full 64 KB port took 840 ms to
+    drain while the timer's margin stayed 100 ms; the trimming run's senders timed out
+    19,916 times on packets still queued or answered.) RC's timer and DCQCN stretch with
+    the rate their own way (rc.py, dcqcn.py)."""
+    return max(1.0, TIME_REFERENCE_MBPS / line_rate_mbps) if line_rate_mbps > 0 else 1.0
+
+
 # An EV's states (MRC's): good (carries data), assumed_bad (retired after losses;
 # probed out of band now and then), probing (a probe is out), denied (by the user or
 # the controller: never used, never probed)
@@ -150,15 +169,17 @@ class CreditPool:
     N senders at once (incast) each may have budget/N packets in flight, so their
     sum fits the receiver's link buffer instead of overflowing it."""
 
-    ACTIVE_S = 0.05
+    ACTIVE_S = 0.05                    # at TIME_REFERENCE_MBPS: a sender heard this
+                                       # recently is sending
 
-    def __init__(self, budget_packets: int, min_packets: int = 2):
+    def __init__(self, budget_packets: int, min_packets: int = 2, line_rate_mbps: float = 0.0):
         self.budget, self.min = budget_packets, min_packets
+        self.active_s = self.ACTIVE_S * link_time_stretch(line_rate_mbps)
         self.heard: dict[int, float] = {}
 
     def grant(self, qpn: int, now: float) -> int:
         self.heard[qpn] = now
-        active = sum(now - t < self.ACTIVE_S for t in self.heard.values())
+        active = sum(now - t < self.active_s for t in self.heard.values())
         return max(self.min, self.budget // max(1, active))
 
 
@@ -210,6 +231,11 @@ class MrcQP(QueuePair):
             raise ValueError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got "
                              f"{p.delivery!r}")
         self.reliable = p.delivery != "unreliable"
+        stretch = link_time_stretch(p.line_rate_mbps)
+        self.rto_margin_s = p.rto_ms / 1000 * stretch
+        self.target_delay_s = p.target_delay_ms / 1000 * stretch
+        self.sack_delay_s = p.sack_delay_ms / 1000 * stretch
+        self.ev_probe_after_s = p.ev_probe_after_ms / 1000 * stretch
         if "rccc" in p.cc and rccc is None:
             raise ValueError(f"cc={p.cc} needs the receiving host's Rccc scheduler")
         # NSCC keeps the window in bytes; self.cwnd (packets) follows it
@@ -259,7 +285,7 @@ class MrcQP(QueuePair):
         self.base_rtt = None
         self.srtt = None
         self.rttvar = None
-        self.rto_s = p.initial_rto_ms / 1000
+        self.rto_s = p.initial_rto_ms / 1000 * stretch
         self.last_decrease = -1.0
         self.ecn_echoes = 0
         # receiver
@@ -417,7 +443,7 @@ class MrcQP(QueuePair):
 
     def deadline(self) -> float | None:
         due = [] if self.unsacked_since is None \
-            else [self.unsacked_since + self.params.sack_delay_ms / 1000]
+            else [self.unsacked_since + self.sack_delay_s]
         for f in self.inflight.values():     # the oldest still waiting for its answer
             if f.sent_at != LOST:
                 due.append(f.sent_at + self.rto_s)
@@ -459,13 +485,13 @@ class MrcQP(QueuePair):
         """When an assumed-bad EV gets its next probe, or a probe out its answer."""
         if ev.status == "probing":
             return ev.probe_sent_at + self.rto_s
-        return ev.retired_at + self.params.ev_probe_after_ms / 1000
+        return ev.retired_at + self.ev_probe_after_s
 
     def on_timer(self, now: float) -> list[bytes]:
         """Fire what is due; the SACK that was waiting, if its time came."""
         out = []
         if self.unsacked_since is not None and \
-                now >= self.unsacked_since + self.params.sack_delay_ms / 1000:
+                now >= self.unsacked_since + self.sack_delay_s:
             out.append(self._sack(self.unsacked_sport, self.unsacked_plane, False, now))
         for f in self.inflight.values():
             if f.sent_at == LOST:
@@ -552,7 +578,7 @@ class MrcQP(QueuePair):
         the window at its largest (the credit paces the sender)."""
         if self.nscc or self.fixed_window:
             return
-        rtt = self.srtt or self.params.rto_ms / 1000
+        rtt = self.srtt or self.rto_margin_s
         if now - self.last_decrease >= rtt:
             self.cwnd = max(self.params.min_cwnd_packets, self.cwnd * self.params.decrease_factor)
             self.last_decrease = now
@@ -635,10 +661,10 @@ class MrcQP(QueuePair):
         else:                              # RFC 6298, 2.3: rttvar first, from the old srtt
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
-        self.rto_s = self.srtt + max(self.params.rto_ms / 1000, 4 * self.rttvar)
+        self.rto_s = self.srtt + max(self.rto_margin_s, 4 * self.rttvar)
         self.counters.srtt_ms = round(self.srtt * 1e3, 3)
         self.counters.min_rtt_ms = round(self.base_rtt * 1e3, 3)
-        if rtt - self.base_rtt > self.params.target_delay_ms / 1000:
+        if rtt - self.base_rtt > self.target_delay_s:
             self._decrease(now)
 
     # --- receiver -------------------------------------------------------------------

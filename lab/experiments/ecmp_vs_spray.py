@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import SETTLE_S, SwitchDrops, rc_params
+from lab.experiments.common import SETTLE_S, SwitchDrops, rc_params, traffic_timeout_s
 from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -80,11 +80,21 @@ def flows(ctx: RunContext) -> list[tuple[str, str, int]]:
             for i, s in enumerate(src) for k in range(p.flows_per_host)]
 
 
+def time_limit_s(fabric, plan) -> float:
+    """How long the flows may take: as if the worst collision put every one on one uplink
+    of the source leaf (at x0.05, a software CPU, RC's colliding flows outlasted a fixed
+    120 s)."""
+    uplink_mbps = min(ln.rate_mbps for ln in fabric.links
+                      if ln.kind == "fabric" and "fl-lf0" in (ln.a, ln.b))
+    return traffic_timeout_s(sum(n for *_, n in plan), uplink_mbps)
+
+
 def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None) -> dict:
     spines = ctx.fabric.params["spines"]
     t0 = time.time()
     before = uplink_bytes("fl-lf0", spines)
-    res = gpus.transfers(plan, transport, params=params)
+    res = gpus.transfers(plan, transport, params=params,
+                         timeout_s=time_limit_s(ctx.fabric, plan))
     per_spine = [a - b for a, b in zip(uplink_bytes("fl-lf0", spines), before)]
     t1 = time.time()
     mean = sum(per_spine) / len(per_spine)

@@ -244,7 +244,8 @@ def starved(m: dict) -> list[str]:
                        f"a kernel backlog under load), not the fabric's congestion")
     x = m.get("incast")
     if x and not x["switch_drops"]:
-        out.append(f"incast: the background incast made no switch drop a frame: its senders "
+        # named for the claim it defeats (incast+ecn's: ECN had no losses to remove)
+        out.append(f"incast+ecn: the background incast made no switch drop a frame: its senders "
                    f"delivered {x['background_load']:.0%} of the GPU's link (asked: "
                    f"{BACKGROUND_LOAD:.0%} beside the ring's flow), too little to overflow "
                    f"its port on this machine, so ECN had no losses to remove")
@@ -269,7 +270,7 @@ def claims(params: Params, m: dict) -> list[Claim]:
         # count resends a stalled host made of what had arrived)
         drops = {v: m[v]["switch_drops"] for v in ("incast", "incast+ecn")}
         retx = {v: m[v]["retransmitted_packets"] for v in ("incast", "incast+ecn")}
-        out.append(Claim("ECN (DCQCN) removes the losses the incast caused",
+        out.append(Claim("incast+ecn: ECN (DCQCN) removes the losses the incast caused",
                          drops["incast+ecn"] < drops["incast"],
                          f"switch drops: incast+ecn {drops['incast+ecn']} (retransmitted "
                          f"{retx['incast+ecn']})",

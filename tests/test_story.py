@@ -166,7 +166,8 @@ def test_rack_vs_scaleout_reports_both_against_the_model(tmp_path):
     m = json.loads((out / "metrics.json").read_text())["metrics"]
     for algorithm in ("ring", "hier"):
         assert m[algorithm]["agree"], r.stdout
-        assert m[algorithm]["over_model"] >= 1.0      # nothing beats the wire
+        # nothing beats the wire (but for the links' token buckets: floor_time_s)
+        assert m[algorithm]["over_model"] >= m[algorithm]["floor_over_model"] > 0.5
     assert m["model_speedup"] > 3      # 9:1 scale-up: the model's hierarchical win
     # the scale-up phases run at the scale-up rate (paced at the scale-out rate they
     # took as long as the flat ring): most of the model's win is measured

@@ -10,7 +10,7 @@ import numpy as np
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import model_time_s
+from lab.experiments.common import floor_time_s, model_time_s
 from lab.fabric import collective
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ def run(ctx: RunContext) -> dict:
     up = ctx.fabric.hosts[0].interface("scale-up").rate_mbps if p.algorithm == "hier" else 0.0
     m["model_time_s"] = model_time_s(p.algorithm, n, m["size_bytes"], m["link_rate_mbps"],
                                      racks, up)
+    m["floor_time_s"] = floor_time_s(p.algorithm, n, m["size_bytes"], m["link_rate_mbps"],
+                                     racks, up)
     for key in ("results", "expected"):
         m.pop(key)
     log.info(f"time {m['time_s'] * 1000:.1f} ms, busbw {m['busbw_mbps']:.1f} Mb/s "
@@ -96,7 +98,9 @@ def claims(params: Params, m: dict) -> list[Claim]:
                       f"<= {m['tolerance']:.2e}")
     return [
         agree,
-        Claim("no faster than the wire allows (the alpha-beta bandwidth term)",
-              m["time_s"] >= m["model_time_s"], round(m["time_s"], 4),
-              f">= {m['model_time_s']:.4f} s", "s"),
+        Claim("no faster than the wire allows (the alpha-beta bandwidth term, less a "
+              "token bucket's burst per phase)",
+              m["time_s"] >= m["floor_time_s"], round(m["time_s"], 4),
+              f">= {m['floor_time_s']:.4f} s (bandwidth term {m['model_time_s']:.4f} s)",
+              "s"),
     ]

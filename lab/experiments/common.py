@@ -115,6 +115,22 @@ def model_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
     return 2 * (n - 1) / n * bits / (link_mbps * 1e6)
 
 
+def floor_time_s(algorithm: str, n: int, size_bytes: int, link_mbps: float,
+                 racks: int = 1, up_mbps: float = 0.0) -> float:
+    """The least time the lab's links allow: the bandwidth term less what their token
+    buckets (lab/kernel/queues.py) let through at once, a burst of GATE_BURST_BYTES
+    after an idle spell, once per phase on its slowest link (a ring: one phase;
+    hierarchical: scale-up, scale-out, scale-up). At the defaults a few ms against
+    seconds; at a slow machine's x0.05 (a 0.1 Mb/s scale-out link: 128 ms a burst) the
+    hierarchical all-reduce of 32 KB ended 1 ms inside its bandwidth term."""
+    from lab.kernel.queues import GATE_BURST_BYTES
+    burst_bits = GATE_BURST_BYTES * 8
+    bursts_s = (2 * burst_bits / (up_mbps * 1e6) + burst_bits / (link_mbps * 1e6)
+                if algorithm == "hier" else burst_bits / (link_mbps * 1e6))
+    return max(0.0, model_time_s(algorithm, n, size_bytes, link_mbps, racks, up_mbps)
+               - bursts_s)
+
+
 def stall_s(samples: dict, since: float) -> float:
     """The longest stretch after `since` in which the delivered bytes did not grow."""
     longest, last_growth, last = 0.0, since, None

@@ -42,6 +42,10 @@ TOPOLOGY_DEFAULTS = {"leaf-spine": {"planes": 2, "spines": 1, "leaves": 2, "host
                                     "host_rate_mbps": 10.0, "fabric_rate_mbps": 20.0,
                                     "rate_scale": 10000}}
 SCALED_SIZES = ("allreduce_kb",)   # shrink with the link rates on a slow machine (calibrate.py)
+# ...and the failure's times stretch as the traffic does (runner.scaled_times): at x0.05
+# a 1000 ms outage lost a few packets per plane-0 EV, too few to retire any (natively, at
+# the slow machine's rates: the retirement claim failed)
+SCALED_TIMES = ("fail_after_s", "outage_ms")
 # flow ends busy at once at the defaults (a ring over 4, on both planes' ports)
 BUSY_ENDS = 16
 FAILED_PLANE = 0            # RC's plane: its QPs' paths are plane 0's

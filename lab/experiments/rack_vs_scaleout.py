@@ -19,7 +19,7 @@ import numpy as np
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import model_time_s
+from lab.experiments.common import floor_time_s, model_time_s
 from lab.fabric import collective, gpus
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,10 @@ def run(ctx: RunContext) -> dict:
         out[algorithm] = {"time_s": round(m["time_s"], 4), "model_time_s": round(model, 4),
                           "latency_s": round(lat["time_s"], 4),
                           "over_model": round(m["time_s"] / model, 3),
+                          # what the links allow at least, the same way (floor_time_s)
+                          "floor_over_model": round(floor_time_s(
+                              algorithm, n, m["size_bytes"], out_mbps, racks, up_mbps)
+                              / model, 3),
                           "busbw_mbps": round(m["busbw_mbps"], 2), "agree": m["agree"],
                           "retransmitted_packets": m["retransmitted_packets"],
                           **{f"{phase} s": t for phase, t in m["phase_s"].items()}}
@@ -110,7 +114,10 @@ def claims(params: Params, m: dict) -> list[Claim]:
               f"speedup {m['speedup']}",
               f">= {MODEL_SPEEDUP_SHARE} x the model's {m['model_speedup_with_latency']} "
               f"(bandwidth term alone: {m['model_speedup']})", timing=True),
-        Claim("neither beats its model's bandwidth term",
-              all(m[a]["over_model"] >= 1.0 for a in ("ring", "hier")),
-              {a: m[a]["over_model"] for a in ("ring", "hier")}, "time / model >= 1"),
+        Claim("neither beats its model's bandwidth term (less a token bucket's burst "
+              "per phase)",
+              all(m[a]["over_model"] >= m[a]["floor_over_model"] for a in ("ring", "hier")),
+              {a: m[a]["over_model"] for a in ("ring", "hier")},
+              "time / model >= " + ", ".join(f"{m[a]['floor_over_model']} ({a})"
+                                             for a in ("ring", "hier"))),
     ]

@@ -525,13 +525,11 @@ class Dataplane:
         for s in dp.slots:
             if s.stub:
                 s.intf = stubs[(s.node, s.port)]
-        rate = {(end, port): ln.rate_mbps for ln in fabric.links
-                for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
+        dp.set_link_rates(fabric)
         dpid = {sw.name: sw.dpid for sw in fabric.switches}
         peer = peers(fabric)
         for i, s in enumerate(all_slots):
             dp.table.set_role(i, peer[i] if all_slots[peer[i]].switch else NO_SLOT, s.role)
-            dp.table.set_link(i, rate[(s.node, s.port)])
             dp.table.set_history(i, entries[i] // PRIOS if s.switch else NO_SLOT)
             if s.switch:
                 dp.table.set_mac(i, socket.if_nametoindex(s.intf),
@@ -542,6 +540,14 @@ class Dataplane:
         dp._attach_programs(obj, host_pids)
         dp.start_sender(pin_dir)
         return dp
+
+    def set_link_rates(self, fabric: Fabric) -> None:
+        """Each port's link rate as the programs need it (a pause quantum's time), from
+        the fabric's links: at the start, and after their rates changed in place."""
+        rate = {(end, port): ln.rate_mbps for ln in fabric.links
+                for end, port in ((ln.a, ln.a_port), (ln.b, ln.b_port))}
+        for i, s in enumerate(self.slots):
+            self.table.set_link(i, rate[(s.node, s.port)])
 
     def start_sender(self, pin_dir: Path) -> None:
         """The process that sends the PFC frames the programs hand over (an XON decided

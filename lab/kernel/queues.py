@@ -147,19 +147,33 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
     classes = class_commands(intf, rate_mbps, q)
     lines.append(classes.pop(0))
     for prio in q.priorities:
-        minor, gate = class_minor(prio), gate_major(prio)
-        limit = q.host_buffer_bytes(prio) if host else q.buffer_bytes(prio)
-        lines += [
-            classes.pop(0),
-            f"qdisc replace dev {intf} parent 1:{minor:x} handle {gate:x}: tbf "
-            f"rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst {gate_burst_bytes(rate_mbps)} "
-            f"limit {limit}",
-        ]
+        lines += [classes.pop(0), gate_command(intf, prio, rate_mbps, q, host)]
         if q.red is not None and prio == PRIORITY_ROCE_DATA and not host:
             lines.append(roce_queue_command(intf, rate_mbps, q))
     for dscp, prio in sorted(q.dscp_priority.items()):
         lines.append(f"filter replace dev {intf} parent 1: protocol ip prio 1 u32 "
                      f"match ip dsfield {dscp << 2:#x} 0xfc flowid 1:{class_minor(prio):x}")
+    return lines
+
+
+def gate_command(intf: str, prio: int, rate_mbps: float, q: QueueParams,
+                 host: bool = False) -> str:
+    """A priority's gate: the tbf that PFC closes, open at the link's rate."""
+    limit = q.host_buffer_bytes(prio) if host else q.buffer_bytes(prio)
+    return (f"qdisc replace dev {intf} parent 1:{class_minor(prio):x} handle "
+            f"{gate_major(prio):x}: tbf rate {gate_rate_bytes_s(rate_mbps) * 8}bit burst "
+            f"{gate_burst_bytes(rate_mbps)} limit {limit}")
+
+
+def rate_commands(intf: str, rate_mbps: float, q: QueueParams,
+                  host: bool = False) -> list[str]:
+    """What of a configured port depends on its link's rate, for a rate changed in place:
+    its classes, gates and RED (htb cannot change its root qdisc, so that one stays)."""
+    lines = class_commands(intf, rate_mbps, q)
+    for prio in q.priorities:
+        lines.append(gate_command(intf, prio, rate_mbps, q, host))
+        if q.red is not None and prio == PRIORITY_ROCE_DATA and not host:
+            lines.append(roce_queue_command(intf, rate_mbps, q))
     return lines
 
 
@@ -235,8 +249,9 @@ def host_interfaces(fabric: Fabric, host: str) -> list[str]:
     return [i.name for i in fabric.host(host).interfaces]
 
 
-def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
-    """host name (None for the root namespace, where switch ports live) -> tc batch lines.
+def plan(fabric: Fabric, q: QueueParams, commands=port_commands) -> dict[str | None, list[str]]:
+    """host name (None for the root namespace, where switch ports live) -> tc batch lines
+    (`commands` per link end: port_commands, or rate_commands for a rate changed in place).
     A link end whose node is not in `fabric` is another machine's (one machine's part of
     a fabric across machines: topologies/partition.py), configured there."""
     hosts = {h.name for h in fabric.hosts}
@@ -248,7 +263,7 @@ def plan(fabric: Fabric, q: QueueParams) -> dict[str | None, list[str]]:
                 continue
             intf = interface_name(node, port)
             batches.setdefault(node if node in hosts else None, []).extend(
-                port_commands(intf, ln.rate_mbps, q, host=node in hosts))
+                commands(intf, ln.rate_mbps, q, host=node in hosts))
     return batches
 
 
@@ -307,6 +322,23 @@ def rps_command(intfs: list[str], mask: str) -> str:
     files = " ".join(f"/sys/class/net/{i}/queues/rx-*/rps_cpus" for i in intfs)
     return (f"umount -l /sys && mount -t sysfs none /sys || exit 1; "
             f"for f in {files}; do echo {mask} > $f || exit 1; done;")
+
+
+def set_link_rates(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:
+    """Every configured link end again at its link's rate in `fabric` (changed in place)."""
+    procs = []
+    for ns, lines in plan(fabric, q, rate_commands).items():
+        cmd = ["tc", "-batch", "-"]
+        if ns is not None:
+            cmd = ["mnexec", "-a", str(host_pids[ns]), *cmd]
+        procs.append((ns, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True)))
+        procs[-1][1].stdin.write("\n".join(lines) + "\n")
+        procs[-1][1].stdin.close()
+    errors = [f"{ns or 'switches'}: {proc.stderr.read().strip()[:200]}" for ns, proc in procs
+              if proc.wait()]
+    if errors:
+        raise LabError("could not change the links' rates (tc): " + "; ".join(errors[:3]))
 
 
 def apply(fabric: Fabric, host_pids: dict[str, int], q: QueueParams) -> None:

@@ -249,8 +249,8 @@ def cmd_tour(args) -> int:
     for r in done:
         for c in r.claims:
             if not c["passed"]:
-                print(f"  [FAIL] {r.chapter.experiment}: {c['name']}: measured "
-                      f"{readable.claim_measured(c)}, expected {c['expected']}")
+                print(f"  [{readable.verdict(c)}] {r.chapter.experiment}: {c['name']}: "
+                      f"measured {readable.claim_measured(c)}, expected {c['expected']}")
     for r in failed:
         print(f"  [DID NOT RUN] {r.chapter.experiment}: {r.error}")
     if failed:

@@ -494,6 +494,28 @@ def test_mrc_finds_a_lost_tail_packet_without_its_retransmit_timer():
     assert time.monotonic() - t0 < MrcParams().rto_ms / 1000
 
 
+def test_mrc_tail_rule_waits_for_an_answer_the_receiver_may_hold():
+    """A packet passed by a later one at a message's tail is lost after tail_loss_srtts
+    smoothed RTTs plus the receiver's SACK delay, not before: its answer may be waiting
+    in the receiver's coalescing. (With 2 SRTTs alone, ~3 ms natively against a 5 ms
+    delay, a sprayed ring resent ~22 packets a run that had all arrived.)"""
+    _, _, qa, qb, region = pair("mrc")
+    qa.post_write(os.urandom(4 * 1024), region.base_va, 7, tag=1)
+    frames = [qa.next_frame(0.0) for _ in range(4)]
+    qa._rtt_sample(0.001, 0.0)                       # a quick path: 2 SRTTs are 2 ms
+    # the last packet arrives first and is answered at once (it ends the message); the
+    # others are on their way, or held by the receiver's coalescing
+    [sack] = qb.on_packet(parse(frames[3], EXT_BYTES), 0.0005)
+    qa.on_packet(parse(sack, EXT_BYTES), 0.0006)
+    f, due = qa._tail_loss_due()
+    delay_s = MrcParams().sack_delay_ms / 1000
+    assert due == pytest.approx(f.sent_at + 2 * qa.srtt + delay_s)
+    qa.on_timer(0.004)                               # past 2 SRTTs, within the delay
+    assert not qa.retx and qa.counters.retransmitted == 0
+    qa.on_timer(due + 1e-6)
+    assert qa.retx                                   # now it counts as lost
+
+
 def test_mrc_losses_on_a_dead_ev_shrink_the_window_once():
     """A loss on an EV whose previous packet was lost too points at the path: the EV is
     retired after ev_fail_losses of them, and only the first shrank the window."""

@@ -470,7 +470,11 @@ class MrcQP(QueuePair):
             if f.sent_at != LOST:
                 if f.tx_index >= self.answered_tx:
                     return None
-                return f, f.sent_at + self.params.tail_loss_srtts * self.srtt
+                # ...plus the receiver's SACK delay, which may hold its answer that long:
+                # without it a sprayed ring resent ~22 packets a run that had arrived
+                # (natively, at the defaults: 2 SRTTs were ~3 ms, the delay 5 ms)
+                return f, (f.sent_at + self.params.tail_loss_srtts * self.srtt
+                           + self.sack_delay_s)
         return None
 
     def _grant_due(self) -> float | None:

@@ -144,12 +144,7 @@ def port_commands(intf: str, rate_mbps: float, q: QueueParams,
     """The classes of one egress port; host: a GPU host's NIC (small FIFOs, no RED)."""
     lines = [f"qdisc replace dev {intf} root handle 1: htb default "
              f"{class_minor(DEFAULT_PRIORITY):x}"]
-    classes = class_commands(intf, rate_mbps, q)
-    lines.append(classes.pop(0))
-    for prio in q.priorities:
-        lines += [classes.pop(0), gate_command(intf, prio, rate_mbps, q, host)]
-        if q.red is not None and prio == PRIORITY_ROCE_DATA and not host:
-            lines.append(roce_queue_command(intf, rate_mbps, q))
+    lines += rate_commands(intf, rate_mbps, q, host)
     for dscp, prio in sorted(q.dscp_priority.items()):
         lines.append(f"filter replace dev {intf} parent 1: protocol ip prio 1 u32 "
                      f"match ip dsfield {dscp << 2:#x} 0xfc flowid 1:{class_minor(prio):x}")

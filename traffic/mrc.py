@@ -20,17 +20,18 @@ round trip: srtt + max(4 rttvar, `rto_ms`), RFC 6298's estimator with Linux's fl
 the variation term, and `initial_rto_ms` before the first sample; samples only from
 packets sent once, as Karn's algorithm says; the times in ms, this margin among them,
 are chosen for 10 Mb/s links and stretch on slower ones: link_time_stretch); only lost
-packets are resent, on another EV. An EV whose packets keep getting lost is assumed bad (MRC's EV states:
-good, assumed_bad, probing, denied), probed out of band after a while (a probe frame
-on it, answered by the receiver on the same EV) and readmitted when a probe gets
-through; at least `min_active_evs` stay good. A denied EV (`deny_evs`, or `deny_ev()`
-at run time: e.g. one that maps to a failed plane) is never used nor probed. Each EV
-keeps the history of its states. The window (packets in flight) grows by one per window of ACKs and
-shrinks on ECN echoes, on queueing delay above a target and on losses, once per RTT (a
-loss on an EV whose previous packet was lost too points at the path, not the queue:
-retiring the EV answers it, the window stays); the receiver's credit caps it too (what
-tames incast: the receiver sizes the credit). When nothing new may go, a packet that a
-later one passed is lost after `tail_loss_srtts` smoothed RTTs (RACK's time rule).
+packets are resent, on another EV. An EV whose packets keep getting lost is assumed
+bad (MRC's EV states: good, assumed_bad, probing, denied), probed out of band after a
+while (a probe frame on it, answered by the receiver on the same EV) and readmitted
+when a probe gets through; at least `min_active_evs` stay good. A denied EV
+(`deny_evs`, or `deny_ev()` at run time: e.g. one that maps to a failed plane) is
+never used nor probed. Each EV keeps the history of its states. The window (packets in
+flight) grows by one per window of ACKs and shrinks on ECN echoes, on queueing delay
+above a target and on losses, once per RTT (a loss on an EV whose previous packet was
+lost too points at the path, not the queue: retiring the EV answers it, the window
+stays); the receiver's credit caps it too (what tames incast: the receiver sizes the
+credit). When nothing new may go, a packet that a later one passed is lost after
+`tail_loss_srtts` smoothed RTTs and the receiver's SACK delay (RACK's time rule).
 
 Multi-plane (`planes`: the Paths of planes 1, 2, ... to the same peer): each EV exists
 on every plane, with that plane's addresses; the NIC asks each of its ports in turn for
@@ -125,7 +126,8 @@ class MrcParams:
     tail_loss_srtts: float = 2.0       # when nothing new may go (a message's tail; the window
                                        # or the credit used up), a packet is lost once one
                                        # sent after it was answered and it waited this many
-                                       # smoothed RTTs (RACK's time rule, RFC 8985): no later
+                                       # smoothed RTTs and the receiver's SACK delay
+                                       # (RACK's time rule, RFC 8985): no later
                                        # packets come to pass it, and the retransmit timer
                                        # takes rto_ms at least
     rto_ms: float = 100.0              # the timeout's margin over the smoothed RTT, at least:

@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from controllers import protocol  # noqa: E402  (the repo is not installed as a package)
+from lab.fabric import spawner  # noqa: E402
 FABRICLAB = [str(Path(sys.executable).parent / "fabriclab")]
 TICK_S = os.sysconf("SC_CLK_TCK")
 CLASSES = ("controller", "lab (main, telemetry)", "pfc sender", "gpu agents", "ovs", "tcpdump",
@@ -42,7 +43,7 @@ def classify(cmdline: str, lab_pid: int, pid: int) -> str | None:
         return "controller"
     if "pfc-sender" in cmdline:
         return "pfc sender"
-    if "traffic.agent" in cmdline:
+    if spawner.MARKER in cmdline or "traffic.agent" in cmdline:   # forked, or started
         return "gpu agents"
     if "ovs-vswitchd" in cmdline:
         return "ovs"

@@ -686,6 +686,15 @@ class Cluster:
                            f"{(reply or {}).get('error', 'the connection closed')}")
         return reply
 
+    def start_agent(self, host: str, args: list[str], profile: str | None = None):
+        """A GPU agent in `host`: forked by the head's spawner, or started by the worker
+        of the machine that has the host."""
+        if self.partition.placement[host] == 0:
+            return self.head.start_agent(host, args, profile)
+        command = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []),
+                   "-m", "traffic.agent", *args]
+        return self.popen(host, command, "traffic.agent " + " ".join(args[:2]), "gpu-agent")
+
     def popen(self, host: str, args: list[str], marker: str, kind: str, **kw):
         """A process in `host`, on whichever machine has it: here, a Popen; on another
         machine, a RemoteProcess its worker relays (stdin and stdout as pipes; its

@@ -282,3 +282,37 @@ def test_ring_building_blocks_match_numpy_on_every_host(tmp_path, kind, transpor
         from traffic.collectives import chunk_bounds
         assert [len(r) for r in m["results"]] == [hi - lo for lo, hi in chunk_bounds(65_537, 4)]
     assert 0.5 < m["busbw_over_link"] < 1.0, m["busbw_over_link"]
+
+
+@requires_root
+def test_agents_are_forked_into_their_hosts_namespaces_and_say_why_they_could_not_start(
+        tmp_path):
+    """Each GPU agent is a fork of the fabric's spawner (lab/fabric/spawner.py) in its
+    host's network and mount namespaces, recorded for cleanup, gone when its set closes;
+    one that cannot start (no such interface) says why."""
+    import os
+
+    from lab.fabric import cleanup
+    from lab.fabric.gpus import GpuAgents
+    from lab.fabric.network import FabricNetwork
+    from topologies.registry import build_topo
+
+    def ns(pid, kind):
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+    topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
+    with FabricNetwork(topo, tmp_path) as net:
+        with GpuAgents(net) as gpus:
+            pids = {h: p.pid for h, p in gpus.procs.items()}
+            for host, pid in pids.items():
+                for kind in ("net", "mnt"):
+                    assert ns(pid, kind) == ns(net.host_pid(host), kind) != ns("self", kind)
+            assert set(pids.values()) <= {p["pid"] for p in cleanup.live_processes()}
+            [flow] = gpus.transfers([("g0", "g1", 100_000)], "mrc")
+            assert flow["intact"]
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids.values())
+        bad = net.start_agent("g0", ["--intf", "fl-nosuch0", "--mac", "02:00:00:00:00:01",
+                                     "--ip", "10.0.0.1", "--rate-mbps", "10"])
+        assert bad.wait(timeout=60) == 0 and bad.stdout.read() == b""
+        err = bad.stderr.read()
+        assert "No such device" in err, err

@@ -1,7 +1,8 @@
 """The lab's side of the GPU agents: start one per host, drive collectives.
 
-Each agent (traffic/agent.py) runs inside its host's namespace, started through
-Mininet (mnexec), recorded by PID for cleanup, and spoken to over JSON lines.
+Each agent (traffic/agent.py) runs inside its host's namespace, forked there by the
+fabric's spawner (lab/fabric/spawner.py), recorded by PID for cleanup, and spoken to
+over JSON lines.
 """
 from __future__ import annotations
 
@@ -125,19 +126,16 @@ class GpuAgents:
         for h in self.hosts:
             intf = h.interface(network)
             profile = paths.env(paths.PROFILE_ENV)   # a developer's view of the agents' CPU
-            args = [sys.executable, *(["-m", "cProfile", "-o", f"{profile}/{h.name}.prof"]
-                                      if profile else []),
-                    "-m", "traffic.agent", "--intf", intf.name, "--mac", intf.mac,
-                    "--ip", intf.ip, "--rate-mbps", str(intf.rate_mbps), "--rack", str(h.rack or 0)]
+            args = ["--intf", intf.name, "--mac", intf.mac, "--ip", intf.ip,
+                    "--rate-mbps", str(intf.rate_mbps), "--rack", str(h.rack or 0)]
             up = scaleup(h)
             if up is not None:
                 args += ["--up", up.name, up.mac, up.ip, str(up.rate_mbps)]
             if network == "scale-out":
                 for port in planes(h):
                     args += ["--plane", port.name, port.mac, port.ip, str(port.rate_mbps)]
-            self.procs[h.name] = net.popen(h.name, args, f"--intf {intf.name}", "gpu-agent",
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, bufsize=1)
+            self.procs[h.name] = net.start_agent(
+                h.name, args, f"{profile}/{h.name}.prof" if profile else None)
         for h in self.hosts:   # generous: many Python starts on a slow (emulated) CPU
             self._expect(h.name, "hello", timeout_s=120)
             if net.dataplane is not None:

@@ -27,7 +27,7 @@ from mininet.topo import Topo
 
 from lab.core import state
 from lab.core.errors import LabError, Terminated
-from lab.fabric import cleanup, congestion
+from lab.fabric import cleanup, congestion, spawner
 from lab.fabric.controller import CONGESTION_APP, Controller
 from lab.kernel import dataplane, ovs, queues, rcu, tunnel
 from topologies.base import PLANE_OCTET_BASE, FabricTopo, plane_of
@@ -166,6 +166,7 @@ class FabricNetwork:
         self.ovs_send_buffer_bytes: int | None = None       # userspace datapath: lifted to
         self.datapath: str | None = None
         self.timings: dict[str, float] = {}
+        self.spawner: spawner.Spawner | None = None       # the GPU agents' (start_agent)
         self._old_sigterm = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -334,6 +335,9 @@ class FabricNetwork:
         t0 = time.monotonic()
         try:
             with rcu.expedited():       # the kernel's waits, one per port (lab/kernel/rcu.py)
+                if self.spawner is not None:
+                    self.spawner.close()
+                    self.spawner = None
                 if self.controller is not None:   # first: links going down would reroute
                     self.controller.stop()
                     self.controller = None
@@ -384,6 +388,13 @@ class FabricNetwork:
         proc = self.mininet[host].popen(args, **kw)
         state.record_process(proc.pid, marker, kind)
         return proc
+
+    def start_agent(self, host: str, args: list[str], profile: str | None = None):
+        """A GPU agent (traffic/agent.py with `args`) in `host`, forked by this fabric's
+        spawner, recorded by PID for cleanup; `profile`: a path for its cProfile output."""
+        if self.spawner is None:
+            self.spawner = spawner.Spawner(self.workdir / "agent-spawner.log")
+        return self.spawner.spawn(self.host_pid(host), args, profile)
 
     def host_pid(self, name: str) -> int:
         if self.mininet is None:

@@ -10,6 +10,7 @@ import os
 import socket
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -28,6 +29,19 @@ def in_netns(pid: int, fn):
     finally:
         os.close(own)
         os.close(target)
+
+
+def enter(pid: int) -> None:
+    """This process, for good, into the network and mount namespaces of process `pid`,
+    as `mnexec -a` puts a command there (the mount namespace holds the host's own
+    /sys). Only a single-threaded process may change its mount namespace."""
+    for kind, flag in (("net", CLONE_NEWNET), ("mnt", CLONE_NEWNS)):
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+        try:
+            if _libc.setns(fd, flag) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into the {kind} namespace of pid {pid}")
+        finally:
+            os.close(fd)
 
 
 def socket_in_netns(pid: int, type_: int, proto: int = 0,

@@ -316,3 +316,34 @@ def test_agents_are_forked_into_their_hosts_namespaces_and_say_why_they_could_no
         assert bad.wait(timeout=60) == 0 and bad.stdout.read() == b""
         err = bad.stderr.read()
         assert "No such device" in err, err
+
+
+@requires_root
+def test_a_stopped_collective_ends_at_once_and_reports_what_it_did(tmp_path):
+    """GpuAgents.stop ends the running collective as a timeout would (allow_timeout:
+    its flows say what they delivered), and the agents go on serving."""
+    import threading
+    import time
+
+    from lab.fabric.gpus import GpuAgents
+    from lab.fabric.network import FabricNetwork
+    from topologies.registry import build_topo
+
+    topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
+    with FabricNetwork(topo, tmp_path) as net, GpuAgents(net) as gpus:
+        out = {}
+        big = 50_000_000            # minutes at the lab's link rates
+        flow = threading.Thread(target=lambda: out.update(flows=gpus.transfers(
+            [("g0", "g1", big)], "rc", timeout_s=600, allow_timeout=True)))
+        flow.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        while flow.is_alive() and time.monotonic() - t0 < 30:
+            gpus.stop()             # again if it came before the collective's start
+            flow.join(timeout=0.5)
+        assert not flow.is_alive()
+        [f] = out["flows"]
+        assert f["completion_s"] is None
+        assert 0 < f["receiver_counters"]["bytes_delivered"] < big
+        [after] = gpus.transfers([("g0", "g1", 100_000)], "rc")
+        assert after["intact"]

@@ -194,3 +194,25 @@ def test_thinning_a_series_keeps_its_peaks_and_ends():
     assert (points[12345][0], 5000) in shown
     assert [t for t, _ in shown] == sorted(t for t, _ in shown)
     assert thin(points[:100], 500) == points[:100]                   # short: as it is
+
+
+def test_capture_counts_come_from_one_tshark_and_equal_each_file_counted_alone(tmp_path):
+    """A report's per-capture filter counts (capture.count_all: the captures merged,
+    each its own interface, one tshark) are what tshark finds in each file alone."""
+    from scapy.utils import wrpcap
+
+    from lab.fabric.capture import FILTERS, count, count_all
+    from traffic.constants import PRIORITY_ROCE_DATA
+    from traffic.packets import cnp, nak_seq_error, pfc_pause, pfc_resume, rc_write_packets
+    a, b = tmp_path / "a.pcap", tmp_path / "b.pcap"
+    data = [bytes(p) for p in rc_write_packets(b"x" * 3000, dst_qp=0xAB, psn=7, va=0x1000,
+                                               rkey=1)]
+    wrpcap(str(a), [*data, bytes(cnp(0xAB)), bytes(pfc_pause({PRIORITY_ROCE_DATA: 0xFFFF}))])
+    wrpcap(str(b), [bytes(nak_seq_error(42, 2, dst_qp=0xAB)),
+                    bytes(pfc_resume([PRIORITY_ROCE_DATA])), bytes(pfc_pause({PRIORITY_ROCE_DATA: 9}))])
+    counts = count_all({"a": a, "b": b, "gone": tmp_path / "gone.pcap"}, FILTERS)
+    assert counts == {"a": count(a, FILTERS), "b": count(b, FILTERS), "gone": None}
+    assert (counts["a"]["RoCE data frames"], counts["a"]["CNPs"],
+            counts["a"]["PFC XOFF, priority 3"]) == (len(data), 1, 1)
+    assert (counts["b"]["RoCE NAKs"], counts["b"]["PFC XON, priority 3"],
+            counts["b"]["PFC XOFF, priority 3"], counts["b"]["RoCE data frames"]) == (1, 1, 1, 0)

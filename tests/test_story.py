@@ -25,7 +25,8 @@ def test_training_step_idle_rises_under_incast_and_the_report_shows_it(tmp_path)
     # waiting on the network: at least the all-reduce's bandwidth term, more under incast
     assert clean["allreduce_s_mean"] >= m["model_allreduce_s"]
     assert incast["idle_fraction_mean"] > clean["idle_fraction_mean"], r.stdout
-    assert incast["background_rounds"] >= 1 and incast["background_error"] is None
+    # the background incast ran beside the steps (its last round stopped as they ended)
+    assert incast["background_load"] > 0 and incast["background_error"] is None
     # why the GPUs waited: each step's all-reduce split into causes that add up to it;
     # resent packets show as time spent on retransmission
     for st in clean["steps"] + incast["steps"]:
@@ -223,7 +224,7 @@ def test_a_tour_chapter_links_its_pcaps_with_filters_and_counts(tmp_path):
     for transport in ("rc", "mrc"):
         span = m[transport]["counted_unix_s"]
         data = [f for f in frames if span[0] <= f.t <= span[1]
-                and f.roce_data and f.dst == dst and f.opcode is not None and f.opcode < 64]
+                and f.roce_data and f.dst == dst]
         assert m[transport]["retransmitted_packets"] == wire.repeats(data), transport
     rc_span = m["rc"]["counted_unix_s"]
     naks = [f for f in frames if rc_span[0] <= f.t <= rc_span[1] and f.src == dst and f.nak]

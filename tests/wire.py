@@ -13,7 +13,7 @@ import numpy as np
 
 from lab.tour import CAPTURE_SNAPLEN
 from topologies.fabric import Fabric, interface_name
-from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, ROCE_V2_UDP_PORT, Opcode
+from traffic.constants import DSCP_CNP, DSCP_ROCE_DATA, LAST_DATA_OPCODE, ROCE_V2_UDP_PORT
 
 FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield.ecn",
           "udp.dstport", "infiniband.bth.opcode", "infiniband.bth.destqp",
@@ -27,7 +27,6 @@ FIELDS = ["frame.time_epoch", "ip.src", "ip.dst", "ip.dsfield.dscp", "ip.dsfield
 # the frames (a trimming run on a software CPU resent enough to fill 60 MB of whole ones).
 HEADERS_ONLY = ["--capture-snaplen", str(CAPTURE_SNAPLEN)]
 OPCODE_CNP = 129
-LAST_DATA_OPCODE = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
 MAC_CONTROL_PFC = 0x0101
 
 

@@ -60,6 +60,11 @@ ABORT_FLUSH_S = 0.5
 RESUME_WAIT_S = 1.0
 
 
+class Stopped(Exception):
+    """The lab ended the running collective early (a "stop" command): it ends as one out
+    of time does, its QPs aborted, and reports what it did."""
+
+
 def qpn_for(collective_id: int, peer_rank: int) -> int:
     """QP numbers are fresh per collective, so late packets of an earlier one
     land on no QP (counted, dropped) rather than confusing a new one."""
@@ -241,8 +246,14 @@ class Agent:
                         algo.on_event(qp, qp.events.pop(0), now)
             return algo.done()
 
-        ok = drive(nics, done, timeout_s, wake_fds=(sys.stdin.fileno(),))
-        self._during(cid, nics, time.monotonic())     # the last EV changes, reported too
+        try:
+            ok, stopped = drive(nics, done, timeout_s, wake_fds=(sys.stdin.fileno(),)), False
+        except Stopped:
+            ok, stopped = False, True
+        try:
+            self._during(cid, nics, time.monotonic())     # the last EV changes, reported too
+        except Stopped:           # the lab's stop, sent again as the collective ended
+            pass
         elapsed = time.monotonic() - t0
         if ok:
             drive(nics, lambda: not any(n.paused_now(time.monotonic()) for n in nics),
@@ -260,12 +271,13 @@ class Agent:
                         round(clock.now() - (time.monotonic() - qp.t0), 4)
                     evs[f"{prefix}{qpn:#x}"] = [{**ev, "qp_started_unix": started}
                                                 for ev in qp.ev_report()]
-        if not ok:      # out of time: its QPs stop here, and what they counted goes out
+        if not ok:      # out of time or stopped: its QPs stop here, what they counted goes out
             for nic in nics:
                 nic.abort()
             drive(nics, lambda: all(n.flushed() for n in nics), ABORT_FLUSH_S)
-        self.emit(event="done" if ok else "timeout", id=cid, elapsed_s=elapsed, cpu_s=cpu_s,
-                  counters=counters, evs=evs, rate_samples=samples,
+        self.emit(event="done" if ok else "stopped" if stopped else "timeout", id=cid,
+                  elapsed_s=elapsed, cpu_s=cpu_s, counters=counters, evs=evs,
+                  rate_samples=samples,
                   nic={"malformed": sum(n.malformed for n in nics),
                        "unknown_qp": sum(n.unknown_qp for n in nics),
                        "pause_frames_received": self.nic.pause_frames_received - pauses0,
@@ -278,7 +290,8 @@ class Agent:
         """While a collective runs, every RATE_SAMPLE_S: each MRC QP's EV state changes
         go out (an "ev" event: the lab's EV controller watches them), and what the lab
         said meanwhile is read: "deny_ev" is done at once (every QP of the collective
-        stops using that EV); any other command waits for the collective to end."""
+        stops using that EV), "stop" ends the collective (Stopped); any other command
+        waits for the collective to end."""
         for nic in nics:
             for qpn, qp in nic.qps.items():
                 changes = getattr(qp, "ev_events", None)     # MRC's only
@@ -293,7 +306,7 @@ class Agent:
         self.inbox += chunk
         lines, self.inbox = self.inbox.rsplit(b"\n", 1) if b"\n" in self.inbox \
             else (b"", self.inbox)
-        kept = []
+        kept, stop = [], False
         for line in lines.split(b"\n"):
             cmd = json.loads(line) if line.strip() else None
             if cmd and cmd.get("cmd") == "deny_ev":
@@ -306,9 +319,13 @@ class Agent:
                                 qp.deny_ev(cmd["ev"], now, cmd.get("why", "denied"), plane)
                             except ValueError as e:     # the last one not denied: kept
                                 self.emit(event="warning", id=cid, warning=str(e))
+            elif cmd and cmd.get("cmd") == "stop":
+                stop = True
             elif line.strip():
                 kept.append(line)
         self.inbox = b"".join(ln + b"\n" for ln in kept) + self.inbox
+        if stop:
+            raise Stopped
 
     def commands(self):
         """Command lines from stdin. After a collective, while no command is there,
@@ -346,6 +363,8 @@ class Agent:
                     self.prepare(cmd)
                 elif cmd["cmd"] == "start":
                     self.start(cmd)
+                elif cmd["cmd"] == "stop":   # for a collective that has ended already
+                    continue
                 elif cmd["cmd"] == "exit":
                     return
             except Exception as e:   # report, keep serving: the lab decides what to do

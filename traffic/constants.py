@@ -40,6 +40,10 @@ class Opcode(IntEnum):
     MRC_CREDIT_REQUEST = 0xC4
 
 
+# The data opcodes (SENDs and RDMA WRITEs): every opcode up to this one. Above it, the
+# ACKs, CNPs and MRC's control packets.
+LAST_DATA_OPCODE = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
+
 # Transport header sizes, in bytes.
 BTH_BYTES = 12     # Base Transport Header
 RETH_BYTES = 16    # RDMA Extended Transport Header: VA, R_Key, DMA length

@@ -221,8 +221,12 @@ def claims(params: Params, m: dict) -> list[Claim]:
               f"(>= {KEPT_SHARE} x {n - 1}/{n})", kept >= KEPT_SHARE * (n - 1) / n,
               round(kept, 3), f">= {KEPT_SHARE * (n - 1) / n:.2f} of its rate before",
               timing=True),
+        # on timings too: an EV retires after ev_fail_losses losses in a row, and the
+        # outage (SCALED_TIMES) is long enough for them at the line rate; hosts that
+        # cannot keep up send too few packets into the failed plane in that time (in
+        # the lab VM, CPU-bound at x0.12: ~7 losses per EV, none retired, 1 run in 3)
         Claim("MRC retired the failed plane's EVs and no other plane's",
               retired.get(failed, 0) > 0 and not any(v for k, v in retired.items()
                                                      if k != failed),
-              retired, f"plane {FAILED_PLANE} > 0, the others 0", "EVs"),
+              retired, f"plane {FAILED_PLANE} > 0, the others 0", "EVs", timing=True),
     ]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab.core.errors import UsageError
+from lab.core.errors import LabError, UsageError
 from lab.experiments import waits
 from lab.experiments.base import Claim, RunContext
 from lab.experiments.common import SwitchDrops, rc_params, traffic_timeout_s
@@ -104,16 +104,23 @@ class BackgroundIncast:
         self.time_limit_s = traffic_timeout_s(len(senders) * BACKGROUND_FLOW_KB * 1024,
                                               ctx.fabric.host(target).interface().rate_mbps)
         self.stop = threading.Event()
-        self.rounds, self.error = 0, None
+        self.rounds, self.delivered_bytes, self.error = 0, 0, None
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         try:
             while not self.stop.is_set():
-                self.gpus.transfers([(s, self.target, BACKGROUND_FLOW_KB * 1024)
-                                     for s in self.senders], "rc", params=self.rc,
-                                    timeout_s=self.time_limit_s)
-                self.rounds += 1
+                flows = self.gpus.transfers([(s, self.target, BACKGROUND_FLOW_KB * 1024)
+                                             for s in self.senders], "rc", params=self.rc,
+                                            timeout_s=self.time_limit_s, allow_timeout=True)
+                self.delivered_bytes += sum(f["receiver_counters"]["bytes_delivered"]
+                                            for f in flows)
+                if any(f["completion_s"] is None for f in flows):
+                    if not self.stop.is_set():
+                        raise LabError(f"a round of the background incast outlasted its "
+                                       f"{self.time_limit_s:.0f} s limit")
+                else:
+                    self.rounds += 1
         except Exception as e:   # reported in the metrics; the training loop goes on
             self.error = str(e)
 
@@ -124,15 +131,19 @@ class BackgroundIncast:
         return self
 
     def __exit__(self, *exc) -> None:
+        # the round under way is stopped, not waited for (a round took 9 s of a slow
+        # machine's links); a stop that comes as a round starts is missed: sent again
         self.stop.set()
-        self.thread.join(timeout=self.time_limit_s + 30)   # its own limit ends it first
+        deadline = time.monotonic() + self.time_limit_s + 30   # its own limit ends it first
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            self.gpus.stop()
+            self.thread.join(timeout=1.0)
         self.elapsed_s = time.monotonic() - self.t0
         self.gpus.close()
 
     def load(self, rate_mbps: float) -> float:
         """What the senders delivered together, over the target's link rate."""
-        bits = self.rounds * len(self.senders) * BACKGROUND_FLOW_KB * 1024 * 8
-        return bits / self.elapsed_s / (rate_mbps * 1e6)
+        return self.delivered_bytes * 8 / self.elapsed_s / (rate_mbps * 1e6)
 
 
 def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | None) -> dict:

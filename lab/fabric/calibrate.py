@@ -123,14 +123,18 @@ def steady_goodput_mbps(samples: dict, nbytes: int, completion_s: float) -> floa
 
 def flow(net, transport: str, nbytes: int, pairs: int = 1) -> dict:
     """`pairs` flows at once on a running FabricNetwork of two leaves (`two_leaves`),
-    each host of the first leaf to its peer on the second: the slowest flow's goodput,
-    the first sender's CPU, and how busy the machine's CPUs were."""
+    the first `pairs` hosts of the first leaf each to its peer on the second (the other
+    hosts run no agent): the slowest flow's goodput, the first sender's CPU, and how busy
+    the machine's CPUs were."""
     from lab.fabric.gpus import GpuAgents
-    with GpuAgents(net) as gpus:
-        names = [h.name for h in gpus.hosts]
-        flows = gpus.transfers([(a, b, nbytes) for a, b in zip(names[:pairs], names[pairs:])],
+    leaves: dict[str, list[str]] = {}
+    for h in net.fabric.hosts:
+        leaves.setdefault(h.interface().switch, []).append(h.name)
+    senders, receivers = (hosts[:pairs] for hosts in leaves.values())
+    with GpuAgents(net, hosts=[*senders, *receivers]) as gpus:
+        flows = gpus.transfers([(a, b, nbytes) for a, b in zip(senders, receivers)],
                                transport)
-        _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == names[0])
+        _, cpu_s, elapsed_s = next(c for c in reversed(gpus.cpu) if c[0] == senders[0])
         busy = max(gpus.machine_busy, default=1.0)
     goodputs = [steady_goodput_mbps(f["receiver_samples"], nbytes, f["completion_s"])
                 for f in flows]
@@ -206,7 +210,8 @@ def retune(net, factor: float) -> None:
 def measure(rates: tuple[float, ...] = SWEEP_MBPS,
             busy_rates: tuple[float, ...] = BUSY_SWEEP_MBPS) -> Calibration:
     """Rate after rate until a host falls behind (search): one pair, then BUSY_PAIRS,
-    each sweep on one fabric whose links change rate (retune)."""
+    on one fabric of 2 x BUSY_PAIRS hosts whose links change rate between steps (retune):
+    a fabric's build took 12-15 s of a software CPU's 56 s calibration."""
     from lab.fabric.network import FabricNetwork
     sweeps: dict[int, list[dict]] = {1: [], BUSY_PAIRS: []}
 
@@ -215,31 +220,31 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
         return min(int(rate * 1e6 / 8 * FLOW_SECONDS),
                    MRC_MAX_PACKETS_PER_MESSAGE * DEFAULT_MTU_BYTES)
 
-    with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp:
-        def sweep(pairs: int, rates: tuple[float, ...]) -> float:
-            with contextlib.ExitStack() as stack:
-                built: dict = {}            # the sweep's fabric, and its links' rate now
+    with tempfile.TemporaryDirectory(prefix="fabriclab-calibrate-") as tmp, \
+            contextlib.ExitStack() as stack:
+        built: dict = {}                    # the fabric, and its links' rate now
 
-                def keeps_up_at(rate: float) -> bool:
-                    if not built:
-                        built["net"] = stack.enter_context(FabricNetwork(
-                            two_leaves(rate, pairs), Path(tmp) / f"p{pairs}"))
-                    elif built["rate"] != rate:
-                        retune(built["net"], rate / built["rate"])
-                    built["rate"] = rate
-                    r = flow(built["net"], "mrc", nbytes(rate), pairs)
-                    ok = keeps_up(rate, r) if pairs == 1 else busy_keeps_up(rate, r)
-                    sweeps[pairs].append({"rate_mbps": rate, **{
-                        k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
-                        "keeps_up": ok})
-                    cpu = f"sender CPU {r['cpu_fraction']:.0%}" if pairs == 1 else \
-                        f"machine {r['machine_busy']:.0%} busy"
-                    log.info(f"{rate:6g} Mb/s x {pairs} flow{'s' if pairs > 1 else ''}: "
-                             f"goodput {r['goodput_mbps']:.1f} Mb/s"
-                             f"{' (slowest)' if pairs > 1 else ''}, {cpu}: "
-                             f"{'keeps up' if ok else 'falls behind'}")
-                    return ok
-                return search(rates, keeps_up_at)
+        def sweep(pairs: int, rates: tuple[float, ...]) -> float:
+            def keeps_up_at(rate: float) -> bool:
+                if not built:
+                    built["net"] = stack.enter_context(FabricNetwork(
+                        two_leaves(rate, BUSY_PAIRS), Path(tmp) / "fabric"))
+                elif built["rate"] != rate:
+                    retune(built["net"], rate / built["rate"])
+                built["rate"] = rate
+                r = flow(built["net"], "mrc", nbytes(rate), pairs)
+                ok = keeps_up(rate, r) if pairs == 1 else busy_keeps_up(rate, r)
+                sweeps[pairs].append({"rate_mbps": rate, **{
+                    k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
+                    "keeps_up": ok})
+                cpu = f"sender CPU {r['cpu_fraction']:.0%}" if pairs == 1 else \
+                    f"machine {r['machine_busy']:.0%} busy"
+                log.info(f"{rate:6g} Mb/s x {pairs} flow{'s' if pairs > 1 else ''}: "
+                         f"goodput {r['goodput_mbps']:.1f} Mb/s"
+                         f"{' (slowest)' if pairs > 1 else ''}, {cpu}: "
+                         f"{'keeps up' if ok else 'falls behind'}")
+                return ok
+            return search(rates, keeps_up_at)
         best = sweep(1, rates)
         busy = sweep(BUSY_PAIRS, busy_rates)
     return Calibration(best, busy, machine(), sweeps[1], sweeps[BUSY_PAIRS],

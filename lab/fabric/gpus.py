@@ -13,6 +13,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -115,7 +116,8 @@ class GpuAgents:
         traffic) starts far from the first, so their QP numbers never meet (agent.qpn_for)."""
         self.net, self.fabric, self.network = net, net.fabric, network
         self.hosts = [net.fabric.host(h) for h in (hosts or [h.name for h in net.fabric.hosts])]
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict = {}      # host -> its agent (spawner.Agent; on a cluster, a Popen-like)
+        self.sending = threading.Lock()
         self.next_id = first_collective_id
         self.cpu: list[tuple[str, float, float]] = []      # (host, cpu s, elapsed s)
         self.machine_busy: list[float] = []    # per collective: the machine's CPU busy share
@@ -143,8 +145,19 @@ class GpuAgents:
                 self.honouring.append(h.name)
 
     def _send(self, host: str, **cmd) -> None:
-        self.procs[host].stdin.write(json.dumps(cmd) + "\n")
-        self.procs[host].stdin.flush()
+        with self.sending:       # stop() may come from another thread than a collective's
+            self.procs[host].stdin.write(json.dumps(cmd) + "\n")
+            self.procs[host].stdin.flush()
+
+    def stop(self) -> None:
+        """End the collective these agents run now, as if out of time (a call made with
+        allow_timeout returns what its flows did so far). An agent between collectives
+        ignores it: a caller racing a collective's start sends it again."""
+        for h in self.hosts:
+            try:
+                self._send(h.name, cmd="stop")
+            except (BrokenPipeError, OSError):
+                pass
 
     def _expect(self, host: str, event: str | tuple[str, ...], timeout_s: float) -> dict:
         """The next message from `host`'s agent, which must be `event` (one of them);
@@ -246,7 +259,7 @@ class GpuAgents:
         busy0, total0 = cpu_times()
         for n in names:
             self._send(n, cmd="start", id=cid)
-        ends = ("done", "timeout") if allow_timeout else "done"
+        ends = ("done", "timeout", "stopped") if allow_timeout else "done"
         done = self._collect(names, ends, timeout_s + 10)
         busy1, total1 = cpu_times()
         if max(d["elapsed_s"] for d in done.values()) > MIN_JUDGED_S:

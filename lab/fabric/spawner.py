@@ -71,7 +71,8 @@ class Agent:
 
 
 class Spawner:
-    """The lab's end: start() the spawner, spawn() agents into hosts, close()."""
+    """The lab's end: start() the spawner (it imports the agents meanwhile), spawn()
+    agents into hosts, close()."""
 
     def __init__(self, log_path: Path):
         self.log_path = log_path
@@ -92,8 +93,6 @@ class Spawner:
     def spawn(self, host_pid: int, args: list[str], profile: str | None = None) -> Agent:
         """An agent (traffic/agent.py with `args`) in the namespaces of `host_pid`;
         `profile`: a path for its cProfile output."""
-        if self.proc is None:
-            self.start()
         stdin, out, err = os.pipe(), os.pipe(), os.pipe()
         request = json.dumps({"host_pid": host_pid, "args": args, "profile": profile})
         try:

@@ -50,15 +50,15 @@ class Agent:
             self.pidfd, self.returncode = None, 0
 
     def poll(self) -> int | None:
-        return self.wait(0) if self.returncode is None and self._ended(0) else self.returncode
-
-    def _ended(self, timeout_s: float | None) -> bool:
-        return self.pidfd is None or bool(select.select([self.pidfd], [], [], timeout_s)[0])
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         """0 once the agent ended (its status is not known: see the module's text)."""
         if self.returncode is None:
-            if not self._ended(timeout):
+            if not select.select([self.pidfd], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(f"GPU agent {self.pid}", timeout)
             self.returncode = 0
             os.close(self.pidfd)

@@ -14,9 +14,10 @@ learnt by flooding: each switch gets, as soon as it connects,
   * MAC Control frames (PFC, PAUSE) to the controller, whose congestion app
     honours them (controllers/congestion.py; where the BPF data path takes them
     instead, that app drops them in the switch, above this rule).
-When a link goes down (or up) the app recomputes every route without it and
-reprograms every switch, after a configurable delay: the convergence time of
-the routing protocol it stands for.
+When a link goes down (or up) the app recomputes every route without it, after
+a configurable delay (the convergence time of the routing protocol it stands
+for), and changes on each switch the routes that changed, make before break
+(routes.route_update): the rest of the fabric forwards on undisturbed.
 Nothing else matches, and the switches run in fail-mode secure: no flooding,
 no spanning tree, no loops.
 
@@ -35,6 +36,7 @@ whatever route or ECMP bucket led there.
 from __future__ import annotations
 
 import functools
+import itertools
 import ipaddress
 import json
 import struct
@@ -50,7 +52,8 @@ from os_ken.lib import hub
 from os_ken.ofproto import ether, ofproto_v1_5
 from os_ken.ofproto.ofproto_v1_5_parser import NXActionResubmitTable
 
-from controllers.routes import (Deliver, Forward, RerouteSchedule, arp_answers, routes_for,
+from controllers.routes import (Deliver, Forward, RerouteSchedule, RouteUpdate, arp_answers,
+                                forward_paths, route_update, routes_for,
                                 without_links)
 from topologies.fabric import Fabric, interface_name
 from traffic.constants import (EV_FIELD_BITS, EV_TIER_OF_ROLE, EXPLICIT_EV_BASE,
@@ -128,6 +131,10 @@ class FabricRouter(app_manager.OSKenApp):
         self.fabric = Fabric.load(conf.fabric_file)
         self.status_file = conf.status_file
         self.routes = routes_for(self.fabric)
+        # per switch, its ECMP groups: a set of ports -> the group's id (ids are not
+        # reused: a route moved to a new group never points at an old one's id)
+        self.groups: dict[str, dict[tuple[int, ...], int]] = {}
+        self.group_ids: dict[str, itertools.count] = {}
         self.arp_answers = arp_answers(self.fabric)
         self.by_dpid = {sw.dpid: sw.name for sw in self.fabric.switches}
         self.by_name = {sw.name: sw for sw in self.fabric.switches}
@@ -227,9 +234,13 @@ class FabricRouter(app_manager.OSKenApp):
             if wait > 0:
                 hub.sleep(wait)
                 continue
-            self.routes = routes_for(without_links(self.fabric, down))
+            new = routes_for(without_links(self.fabric, down))
             for dpid, dp in list(self.datapaths.items()):
-                self.program(dp, self.by_dpid[dpid])
+                name = self.by_dpid[dpid]
+                update = route_update(self.routes[name], new[name])
+                if update:
+                    self.update(dp, name, update, new[name])
+            self.routes = new
             self.routing_event("rerouted", "", 0, down=sorted(f"{n}:{p}" for n, p in down))
 
     def routing_event(self, kind: str, switch: str, port: int, **more) -> None:
@@ -240,25 +251,17 @@ class FabricRouter(app_manager.OSKenApp):
 
     # --- programming ------------------------------------------------------------------
     def program(self, dp, name: str) -> None:
+        """A switch that connected: everything it holds is replaced."""
         ofp, parser = dp.ofproto, dp.ofproto_parser
         dp.send_msg(parser.OFPFlowMod(dp, command=ofp.OFPFC_DELETE, table_id=ofp.OFPTT_ALL,
                                       out_port=ofp.OFPP_ANY, out_group=ofp.OFPG_ANY))
         dp.send_msg(parser.OFPGroupMod(dp, command=ofp.OFPGC_DELETE, group_id=ofp.OFPG_ALL))
-        groups: dict[tuple[int, ...], int] = {}
+        self.groups[name], self.group_ids[name] = {}, itertools.count(1)
         for route in self.routes[name]:
             if isinstance(route, Deliver):
                 self.add_host_route(dp, route)
-            elif len(route.ports) == 1:
-                self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
-                              [parser.OFPActionDecNwTtl(), *egress(parser, route.ports[0])])
             else:
-                if route.ports not in groups:
-                    groups[route.ports] = len(groups) + 1
-                    self.add_ecmp_group(dp, groups[route.ports], route.ports)
-                self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route),
-                              [parser.OFPActionDecNwTtl(),
-                               parser.OFPActionGroup(groups[route.ports])])
-                self.add_explicit_paths(dp, route, self.by_name[name].role)
+                self.add_forward(dp, name, route)
         for cidr, ip, mac in self.arp_answers.get(name, []):
             self.add_arp_answer(dp, cidr, ip, mac)
         to_controller = [parser.OFPActionOutput(ofp.OFPP_CONTROLLER, ofp.OFPCML_NO_BUFFER)]
@@ -269,6 +272,51 @@ class FabricRouter(app_manager.OSKenApp):
                           [parser.OFPActionOutput(port)], table_id=EGRESS_TABLE)
         self.pending_barrier.add(dp.id)
         dp.send_msg(parser.OFPBarrierRequest(dp))
+
+    def update(self, dp, name: str, update: RouteUpdate, routes: list) -> None:
+        """A reroute on a programmed switch: the changed routes installed over the old
+        ones, then what is gone deleted (routes.RouteUpdate)."""
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        for route in update.install:
+            self.add_forward(dp, name, route)
+        role = self.by_name[name].role
+        gone = [(self.subnet_match(parser, r.cidr), PRIORITY_SUBNET) for r in update.withdraw]
+        gone += [(self.explicit_path_match(parser, cidr, role, i), PRIORITY_EXPLICIT_EV)
+                 for cidr, i in update.stale_paths]
+        for match, priority in gone:
+            dp.send_msg(parser.OFPFlowMod(dp, command=ofp.OFPFC_DELETE_STRICT,
+                                          table_id=ROUTING_TABLE, priority=priority,
+                                          match=match, out_port=ofp.OFPP_ANY,
+                                          out_group=ofp.OFPG_ANY))
+        used = {r.ports for r in routes if isinstance(r, Forward)}
+        for ports, group_id in list(self.groups[name].items()):
+            if ports not in used:
+                dp.send_msg(parser.OFPGroupMod(dp, command=ofp.OFPGC_DELETE,
+                                               group_id=group_id))
+                del self.groups[name][ports]
+        self.logger.info("rerouted %s: %d routes installed, %d withdrawn, %d explicit "
+                         "paths removed", name, len(update.install), len(update.withdraw),
+                         len(update.stale_paths))
+
+    def add_forward(self, dp, name: str, route: Forward) -> None:
+        """A route towards a subnet: one port, or an ECMP group (made if the switch has
+        none over those ports) and the route's explicit paths."""
+        parser = dp.ofproto_parser
+        if len(route.ports) == 1:
+            self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route.cidr),
+                          [parser.OFPActionDecNwTtl(), *egress(parser, route.ports[0])])
+            return
+        groups = self.groups[name]
+        if route.ports not in groups:
+            groups[route.ports] = next(self.group_ids[name])
+            self.add_ecmp_group(dp, groups[route.ports], route.ports)
+        self.add_flow(dp, PRIORITY_SUBNET, self.subnet_match(parser, route.cidr),
+                      [parser.OFPActionDecNwTtl(), parser.OFPActionGroup(groups[route.ports])])
+        role = self.by_name[name].role
+        for i in forward_paths(route):
+            self.add_flow(dp, PRIORITY_EXPLICIT_EV,
+                          self.explicit_path_match(parser, route.cidr, role, i),
+                          [parser.OFPActionDecNwTtl(), *egress(parser, route.ports[i])])
 
     def add_host_route(self, dp, route: Deliver) -> None:
         parser = dp.ofproto_parser
@@ -291,22 +339,19 @@ class FabricRouter(app_manager.OSKenApp):
             buckets=buckets,
             properties=[selection_method_property(parser, ECMP_SELECTION_METHOD)]))
 
-    def add_explicit_paths(self, dp, route: Forward, role: str) -> None:
+    @classmethod
+    def explicit_path_match(cls, parser, cidr: str, role: str, i: int):
         """Explicit and generated EVs: the field of this switch's tier (EV_TIER_OF_ROLE)
         of a source port in EXPLICIT_EV_BASE's range picks the equal-cost port (field i:
         the i-th); a masked match, so the other tiers' fields pass through."""
-        parser = dp.ofproto_parser
         shift = EV_FIELD_BITS * EV_TIER_OF_ROLE.get(role, 0)
         mask = EXPLICIT_EV_RANGE_MASK | (EXPLICIT_EV_MAX_PATHS - 1) << shift
-        for i, port in enumerate(route.ports[:EXPLICIT_EV_MAX_PATHS]):
-            match = self.subnet_match(parser, route, ip_proto=17, udp_dst=ROCE_V2_UDP_PORT,
-                                      udp_src=(EXPLICIT_EV_BASE | i << shift, mask))
-            self.add_flow(dp, PRIORITY_EXPLICIT_EV, match,
-                          [parser.OFPActionDecNwTtl(), *egress(parser, port)])
+        return cls.subnet_match(parser, cidr, ip_proto=17, udp_dst=ROCE_V2_UDP_PORT,
+                                udp_src=(EXPLICIT_EV_BASE | i << shift, mask))
 
     @staticmethod
-    def subnet_match(parser, route: Forward, **more):
-        net = ipaddress.ip_network(route.cidr)
+    def subnet_match(parser, cidr: str, **more):
+        net = ipaddress.ip_network(cidr)
         return parser.OFPMatch(eth_type=ether.ETH_TYPE_IP,
                                ipv4_dst=(str(net.network_address), str(net.netmask)), **more)
 

@@ -171,6 +171,33 @@ def test_a_sample_of_pairs_keeps_every_source_and_its_count():
     assert verify.sample(pairs, 100) == pairs          # fewer than asked: all of them
 
 
+def test_a_reroute_changes_the_routes_that_changed_and_no_others():
+    """routes.route_update, what the controller changes on a switch when links fail:
+    a failed plane leaves the other plane's switches untouched (rerouting once
+    reprogrammed every switch, and under a software CPU plane 1 dropped what it carried
+    for ~1 s); a failed uplink of four changes the ECMP routes over it, keeps the
+    explicit paths that remain and removes the one past the end."""
+    from controllers.routes import route_update, without_links
+    f = build_topo("leaf-spine", planes=2, spines=1, leaves=2, hosts_per_leaf=2).fabric
+    before = routes_for(f)
+    after = routes_for(without_links(f, {("fl-lf0", 1), ("fl-lf1", 1)}))
+    updates = {sw: route_update(before[sw], after[sw]) for sw in before}
+    assert sorted(sw for sw, u in updates.items() if u) == ["fl-lf0", "fl-lf1", "fl-sp0"]
+    assert updates["fl-lf0"].withdraw == (Forward("10.1.1.0/24", (1,)),)
+    assert not updates["fl-lf0"].install and not updates["fl-lf0"].stale_paths
+    back = {sw: route_update(after[sw], before[sw]) for sw in before}   # the plane returns
+    assert back["fl-lf0"].install == (Forward("10.1.1.0/24", (1,)),)
+    assert not back["fl-lf2"] and not back["fl-sp1"]
+
+    f = build_topo("leaf-spine", spines=4, leaves=2, hosts_per_leaf=1).fabric
+    before, after = routes_for(f), routes_for(without_links(f, {("fl-lf0", 1)}))
+    u = route_update(before["fl-lf0"], after["fl-lf0"])
+    assert u.install == (Forward("10.1.1.0/24", (2, 3, 4)),) and not u.withdraw
+    assert u.stale_paths == (("10.1.1.0/24", 3),)      # paths 0-2 are installed over
+    assert not route_update(before["fl-sp1"], after["fl-sp1"])
+    assert route_update(before["fl-lf0"], before["fl-lf0"]) == route_update([], [])
+
+
 def test_reroutes_are_due_each_change_delay_later_and_merge_only_what_is_due():
     """The controller's reroute schedule (controllers/routes.py): a failed link's two
     ends report 3 ms apart: one reroute, the delay after the first report, covers both.

@@ -464,6 +464,19 @@ def test_drops_under_late_pauses_name_the_delay():
     assert late_pauses("pfc", {**sampled, "controller_sampling": {"gap_ms_max": 0.1}}) == []
 
 
+
+def test_an_rccc_flow_late_by_the_link_time_credit_lost_names_it():
+    """RCCC's last flow past its ideal time by no more than the link time the receiver
+    lost while senders were owed credit (the credit out had not come back): the
+    machine's load, named; a lateness the lost time does not cover is RCCC's own."""
+    from lab.experiments.incast import late_credit
+    m = {"completion_s_max": 2.6, "ideal_s": 2.1, "credit_unused_ms": 520.0}
+    [msg] = late_credit("rccc", m)
+    assert msg.startswith("rccc: ") and "lost 520 ms" in msg and "395 ms past" in msg, msg
+    assert late_credit("rccc", {**m, "credit_unused_ms": 300.0}) == []
+    assert late_credit("rccc", {**m, "completion_s_max": 2.2}) == []      # held: nothing
+    assert late_credit("rccc", {**m, "completion_s_max": None}) == []
+
 # --- the experiments, small -----------------------------------------------------------
 def run_incast(out, machine_factor, *settings: str, datapath: str = "bpf") -> dict:
     """The incast with every port of its leaf captured; every claim held (on a slow

@@ -61,6 +61,20 @@ def test_the_cap_keeps_credit_a_slow_link_has_not_carried_out_of_the_queue():
     assert max(queue[100:]) <= 8 and r.outstanding() <= 8
 
 
+def test_the_link_time_lost_while_credit_is_out_is_counted_for_the_qps_owed_it():
+    """A link that carries what was granted keeps up: nothing is lost. One at half the
+    rate (the credit out comes back late: a slow host's round trip) loses half the
+    link's time, split between the two QPs owed credit; the run names it on a slow
+    machine (incast's starved)."""
+    r = Rccc(RcccParams(max_outstanding_packets=8), 10.0, FRAME)
+    carry(r, {1: 10_000, 2: 10_000}, 1.0)
+    assert sum(r.unused_s.values()) < 0.01
+    r = Rccc(RcccParams(max_outstanding_packets=8), 10.0, FRAME)
+    carry(r, {1: 10_000, 2: 10_000}, 1.0, link_share=0.5)
+    assert sum(r.unused_s.values()) == pytest.approx(0.5, abs=0.03)
+    assert r.unused_s[1] == pytest.approx(r.unused_s[2], rel=0.05)
+
+
 def test_grants_wait_for_the_unsolicited_packets_and_idle_time_is_not_saved():
     r = Rccc(RcccParams(initial_credit_packets=4, quantum_packets=1), 10.0, FRAME)
     r.advance(0.0)

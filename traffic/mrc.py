@@ -516,7 +516,7 @@ class MrcQP(QueuePair):
             due = self._request_due()
             if due is not None and due <= now:
                 out.append(self._credit_request(now))
-            self.rccc.advance(now)
+            self._advance_credit(now)
             if self.rccc.edge_of(self.qpn) > self.granted:
                 self.counters.credit_sacks_sent += 1
                 out.append(self._sack(self.last_sport, self.last_plane, False, now))
@@ -785,7 +785,7 @@ class MrcQP(QueuePair):
                 bitmap |= 1 << (s - base)
         flags = MRC_SACK_FLAG_ECN_ECHO if ce else 0
         if self.rccc is not None:
-            self.rccc.advance(now)
+            self._advance_credit(now)
             self.granted = self.rccc.edge_of(self.qpn)
         else:
             grant = self.credit_pool.grant(self.qpn, now) if self.credit_pool \
@@ -798,6 +798,12 @@ class MrcQP(QueuePair):
         return self.ctrl_framers[plane].frame(sport, Opcode.MRC_SACK, self.remote_qpn,
                                               self.rcv_cum,
                                               ext=_SACKX.pack(bitmap, sport, flags, 0, credit))
+
+    def _advance_credit(self, now: float) -> None:
+        """RCCC, receiving: the scheduler grants what is due; the link time it lost on
+        this QP's account is counted."""
+        self.rccc.advance(now)
+        self.counters.credit_unused_ms = round(self.rccc.unused_s.get(self.qpn, 0.0) * 1e3, 3)
 
     def ev_report(self) -> list[dict]:
         return [dict(ev.__dict__) for ev in self.evs]

@@ -60,6 +60,8 @@ class Counters:
     credit_requests_received: int = 0   # ...the receiver heard it
     credit_sacks_sent: int = 0      # SACKs a receiver sent only to grant credit
     credit_stalled_ms: float = 0.0  # a sender had data but no credit this long (RCCC)
+    credit_unused_ms: float = 0.0   # the receiver's link time lost while this QP was owed
+                                    # credit: what was out had not arrived (RCCC)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

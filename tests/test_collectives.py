@@ -90,6 +90,25 @@ def test_ecmp_vs_spray_time_limit_allows_for_every_flow_on_one_uplink():
     assert ecmp_vs_spray.time_limit_s(fast, plan) == 120.0    # the minimum
 
 
+def test_a_stopped_lossy_rc_counts_as_slower_than_its_stop_and_no_more():
+    """The lossy rc variant stops after rc_limit_ideals (go-back-N's collapse took 32
+    ideals, 92 s, on a software CPU): its slowest flow took longer than the stop, so
+    spraying that finished before it finished sooner; a spraying slower than the stop
+    did not."""
+    def variant(done_s, stopped_s=None):
+        return {"completion_s_max": done_s, "stopped_after_s": stopped_s, "all_intact": True,
+                "max_deviation_from_mean": 0.01, "imbalance_max_over_mean": 2.5,
+                "drops_packets": 0}
+    m = {"rc": variant(None, 28.3), "rc+pfc": variant(7.1), "mrc_hash": variant(4.5),
+         "mrc_explicit": variant(4.3)}
+    sooner = [c for c in ecmp_vs_spray.claims(ecmp_vs_spray.Params(), m)
+              if c.name == "spraying finishes the slowest flow sooner"]
+    assert sooner[0].passed and "rc unfinished at 28.30 s" in sooner[0].expected
+    m["mrc_explicit"] = variant(29.0)
+    assert not [c for c in ecmp_vs_spray.claims(ecmp_vs_spray.Params(), m)
+                if c.name == "spraying finishes the slowest flow sooner"][0].passed
+
+
 def test_the_wire_floor_allows_one_token_bucket_burst_per_phase():
     """The least time the lab's links allow: the bandwidth term less a 1600-byte burst
     per phase on its slowest link. At a slow machine's x0.05 (rack: 0.1 Mb/s scale-out,

@@ -243,8 +243,9 @@ class CongestionControl(app_manager.OSKenApp):
     @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
     @logged
     def programmed(self, ev):
-        """The router (re)programmed a switch (its flows were replaced): pause frames
-        go where the mode wants them again."""
+        """The router programmed a switch that connected (its flows were replaced; a
+        reroute changes routes in place and leaves this rule): pause frames go where
+        the mode wants them again."""
         self.pause_frames_flow(ev.msg.datapath, self.config.dataplane)
 
     def pause_frames_flow(self, dp, drop: bool) -> None:

@@ -557,8 +557,8 @@ class CongestionControl(app_manager.OSKenApp):
         the peer, what the kernel no longer holds may be on its way: on a software CPU
         a full queue's frames in flight can outlast two looks, and written off, the
         program would count the queue short and admit frames the kernel then drops
-        (the likely cause of the lab VM's incast counting one drop fewer than the wire,
-        twice, before the kernel's own drops were counted too). A look counts
+        (as two CPUs queueing at once did before the program's admission was made one
+        atomic step: dataplane.bpf.c's reserve). A look counts
         only if nothing entered the queue while the kernel was asked (what arrives in
         between would read as excess: measured, 2-5 KB under the incast)."""
         gates = {tcnl.handle(queues.gate_major(prio)): prio for prio in range(8)}

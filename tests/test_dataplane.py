@@ -105,8 +105,11 @@ class Programs:
 
 
 class Pair:
-    """Two namespaces joined by a veth: A's end is a PORT_MBPS port (htb, a byte FIFO
-    far larger than the program's buffer), B's end receives."""
+    """Two namespaces joined by a veth: A's end is a `rate_mbps` port (htb, a byte FIFO
+    of `limit_bytes`: by default far larger than the program's buffer), B's end receives."""
+
+    def __init__(self, rate_mbps: float = PORT_MBPS, limit_bytes: int = 1_000_000):
+        self.rate_mbps, self.limit_bytes = rate_mbps, limit_bytes
 
     def __enter__(self):
         self.__exit__()
@@ -120,8 +123,8 @@ class Pair:
         sh(f"ip -n {NS_A} neigh replace 10.99.0.2 lladdr {MAC_B} dev {INTF_A} nud permanent")
         sh(f"ip netns exec {NS_A} tc qdisc add dev {INTF_A} root handle 1: htb default 10;"
            f"ip netns exec {NS_A} tc class add dev {INTF_A} parent 1: classid 1:10 htb "
-           f"rate {PORT_MBPS}mbit; ip netns exec {NS_A} tc qdisc add dev {INTF_A} parent 1:10 "
-           f"bfifo limit 1000000")
+           f"rate {self.rate_mbps}mbit; ip netns exec {NS_A} tc qdisc add dev {INTF_A} "
+           f"parent 1:10 bfifo limit {self.limit_bytes}")
         # a process in each namespace: the lab reaches namespaces by PID
         self.procs = [subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
                       for ns in (NS_A, NS_B)]
@@ -228,6 +231,38 @@ def test_the_port_program_counts_marks_drops_and_signals_as_the_wire_shows():
     assert all(b[0] == a[0] + 1 for a, b in zip(kept, kept[1:]) if a[1] > 0), periods
     assert kept[-1][1:6] == [0, 0, c["out_packets"], c["drop_packets"], c["ce_marked"]]
     assert max(lk[1] for lk in kept) > KMAX
+
+
+@requires_root
+def test_frames_queued_from_both_cpus_at_once_never_overfill_the_kernels_queue():
+    """A frame's room in the queue is taken and checked in one atomic step. Two senders,
+    one on each CPU, keep a port's queue full for 2 s; the kernel's queue holds what
+    the program's buffer does (as a lab switch port's does). Before, two frames checked
+    against the same backlog at once were both admitted, and the kernel's queue dropped
+    one the program had counted as queued: one in each such run natively (and its bytes
+    stayed in the backlog), and in the lab VM a trimming run lost a frame it should have
+    trimmed."""
+    code = ("import socket,time\n"
+            "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+            f"s.setsockopt(socket.IPPROTO_IP,socket.IP_TOS,{DSCP_ROCE_DATA << 2})\n"
+            "n,end=0,time.monotonic()+2\n"
+            "while time.monotonic()<end:\n"
+            "    for i in range(100): s.sendto(b'x'*1000,('10.99.0.2',4791))\n"
+            "    n+=100\n"
+            "print(n)\n")
+    with Pair(rate_mbps=20, limit_bytes=BUFFER) as pair:
+        senders = [subprocess.Popen(["taskset", "-c", str(cpu % os.cpu_count()), "ip", "netns",
+                                     "exec", NS_A, "python3", "-c", code],
+                                    stdout=subprocess.PIPE, text=True) for cpu in (0, 1)]
+        sent = sum(int(p.communicate(timeout=120)[0]) for p in senders)
+        time.sleep(0.5)         # the queue drains: 32 KB at 20 Mb/s take 13 ms
+        c = pair.table.counters(0, PRIORITY_ROCE_DATA)
+        [kernel] = [q for q in tcnl.Netlink(netns.socket_in_netns(
+            pair.procs[0].pid, socket.SOCK_RAW, tcnl.NETLINK_ROUTE, family=socket.AF_NETLINK)
+        ).qdiscs() if q.kind == "bfifo"]
+    assert c["in_packets"] + c["drop_packets"] == sent and c["drop_packets"] > 0, (c, sent)
+    assert kernel.drops == 0, c
+    assert c["in_packets"] == c["out_packets"] and c["backlog_bytes"] == 0, c
 
 
 @requires_root

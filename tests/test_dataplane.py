@@ -81,7 +81,9 @@ class Programs:
         self.clsact: set[tuple[int, int]] = set()
 
     def pin(self, pin_dir) -> None:
-        """The maps pinned where the PFC sender looks for them."""
+        """The maps pinned where the PFC sender looks for them (bpffs mounted as the lab
+        mounts it: run alone in the lab VM, no fabric had mounted it yet)."""
+        bpf.mount_bpffs()
         pin_dir.mkdir()
         for m, name in zip(self.keep, ("ports", "events", "origins", "sends", "history")):
             m.pin(pin_dir / name)

@@ -109,6 +109,18 @@ def test_a_stopped_lossy_rc_counts_as_slower_than_its_stop_and_no_more():
                 if c.name == "spraying finishes the slowest flow sooner"][0].passed
 
 
+def test_counts_after_a_stop_are_read_once_the_uplinks_are_quiet(caplog):
+    """Flows stopped mid-way leave frames queued, which go on crossing the uplinks: their
+    byte counts are read once two readings agree (a CI run read them while they moved, and
+    a frame fell between the count and its timestamp), and one that never settles is
+    said."""
+    readings = iter([[10, 5], [12, 5], [13, 6], [13, 6], [99, 99]])
+    assert ecmp_vs_spray.once_quiet(lambda: next(readings), 0.001) == [13, 6]
+    growing = iter(range(10**6))
+    assert ecmp_vs_spray.once_quiet(lambda: next(growing), 0.001, limit_s=0.05) > 0
+    assert "still carried traffic" in caplog.text
+
+
 def test_the_wire_floor_allows_one_token_bucket_burst_per_phase():
     """The least time the lab's links allow: the bandwidth term less a 1600-byte burst
     per phase on its slowest link. At a slow machine's x0.05 (rack: 0.1 Mb/s scale-out,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import SETTLE_S, SwitchDrops, rc_params, traffic_timeout_s
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, SwitchDrops, rc_params,
+                                    traffic_timeout_s)
 from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -69,6 +70,24 @@ def uplink_bytes(leaf: str, spines: int) -> list[int]:
             for p in range(1, spines + 1)]
 
 
+def once_quiet(read, quiet_s: float, limit_s: float = 30.0):
+    """`read()` again every `quiet_s` until it reads the same twice: the counters it reads
+    stopped moving (flows stopped mid-way leave frames in the fabric's queues, which go
+    on crossing the uplinks; counted while they do, a frame sent between the count and
+    its timestamp is in the capture's span and not in the count: measured once, natively,
+    one frame). Its last reading, with a warning if it still moved after `limit_s`."""
+    last, deadline = read(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    log.warning(f"the uplinks still carried traffic {limit_s:g} s after the flows stopped: "
+                f"their byte counts may differ from a capture's by the frames in between")
+    return last
+
+
 def capture_plan(fabric, params: Params) -> CapturePlan:
     """fl-lf0's spine uplinks: which entropy values (UDP source ports) each carries;
     RC's flows first (one port each, pinned), then MRC's sprayed ones."""
@@ -91,9 +110,13 @@ def time_limit_s(fabric, plan) -> float:
     """How long the flows may take: as if the worst collision put every one on one uplink
     of the source leaf (at x0.05, a software CPU, RC's colliding flows outlasted a fixed
     120 s)."""
-    uplink_mbps = min(ln.rate_mbps for ln in fabric.links
-                      if ln.kind == "fabric" and "fl-lf0" in (ln.a, ln.b))
-    return traffic_timeout_s(sum(n for *_, n in plan), uplink_mbps)
+    return traffic_timeout_s(sum(n for *_, n in plan), uplink_mbps(fabric))
+
+
+def uplink_mbps(fabric) -> float:
+    """The slowest of fl-lf0's spine uplinks."""
+    return min(ln.rate_mbps for ln in fabric.links
+               if ln.kind == "fabric" and "fl-lf0" in (ln.a, ln.b))
 
 
 def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None,
@@ -113,11 +136,16 @@ def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None,
     before = uplink_bytes("fl-lf0", spines)
     res = gpus.transfers(plan, transport, params=params, timeout_s=limit_s,
                          allow_timeout=limit_ideals is not None)
-    per_spine = [a - b for a, b in zip(uplink_bytes("fl-lf0", spines), before)]
-    t1 = time.time()
-    mean = sum(per_spine) / len(per_spine)
     finished = [f["completion_s"] for f in res if f["completion_s"] is not None]
     stopped = len(finished) < len(res)
+    # stopped: the queues drain first (quiet for 20 frames' time on an uplink, or the
+    # settling time, whichever is longer: gaps between frames grow on a slow machine)
+    after = once_quiet(lambda: uplink_bytes("fl-lf0", spines),
+                       max(SETTLE_S, 20 * FRAME_BYTES * 8 / (uplink_mbps(ctx.fabric) * 1e6))) \
+        if stopped else uplink_bytes("fl-lf0", spines)
+    per_spine = [a - b for a, b in zip(after, before)]
+    t1 = time.time()
+    mean = sum(per_spine) / len(per_spine)
     retx = sum(f["counters"]["retransmitted"] for f in res)
     return {"bytes_per_spine_uplink": per_spine,
             "imbalance_max_over_mean": max(per_spine) / mean if mean else None,

@@ -109,16 +109,19 @@ def test_a_stopped_lossy_rc_counts_as_slower_than_its_stop_and_no_more():
                 if c.name == "spraying finishes the slowest flow sooner"][0].passed
 
 
-def test_counts_after_a_stop_are_read_once_the_uplinks_are_quiet(caplog):
-    """Flows stopped mid-way leave frames queued, which go on crossing the uplinks: their
-    byte counts are read once two readings agree (a CI run read them while they moved, and
-    a frame fell between the count and its timestamp), and one that never settles is
-    said."""
+def test_counts_after_a_stop_are_read_once_the_ports_are_quiet(caplog):
+    """Flows stopped mid-way leave frames queued, which go on leaving through the ports:
+    their counts are read once two readings agree (a CI run read ecmp-vs-spray's uplinks
+    while they moved, and a frame fell between the count and its timestamp), one that
+    never settles is said, and a slow port waits longer than a fast one."""
+    from lab.experiments.common import SETTLE_S, drain_quiet_s, once_quiet
     readings = iter([[10, 5], [12, 5], [13, 6], [13, 6], [99, 99]])
-    assert ecmp_vs_spray.once_quiet(lambda: next(readings), 0.001) == [13, 6]
+    assert once_quiet(lambda: next(readings), 0.001) == [13, 6]
     growing = iter(range(10**6))
-    assert ecmp_vs_spray.once_quiet(lambda: next(growing), 0.001, limit_s=0.05) > 0
-    assert "still carried traffic" in caplog.text
+    assert once_quiet(lambda: next(growing), 0.001, limit_s=0.05, what="fl-lf0-eth1") > 0
+    assert "fl-lf0-eth1 still carried traffic" in caplog.text
+    assert drain_quiet_s(10.0) == SETTLE_S               # 20 frames: 17 ms
+    assert drain_quiet_s(0.1) == pytest.approx(20 * 1082 * 8 / 0.1e6)
 
 
 def test_the_wire_floor_allows_one_token_bucket_burst_per_phase():

@@ -1,11 +1,13 @@
 """What experiments share (instead of importing each other): the RoCE frame size,
-RC's parameters through congested ports, rates from a transport's samples, the
-switches' drops from now on and what frames lost inside OVS say about the machine,
+RC's parameters through congested ports, rates from a transport's samples, a port's
+sent bytes and waiting for them to stop, the switches' drops from now on and what frames lost inside OVS say about the machine,
 the all-reduce model, an all-reduce's delivery while something fails and how long it
 stalled."""
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +20,9 @@ FRAME_BYTES = DEFAULT_MTU_BYTES + WRITE_OVERHEAD_BYTES   # a full RoCE frame on 
 SETTLE_S = 0.3          # after a variant: queues drain, counters reach the state file
 TIMEOUT_IDEALS = 4      # traffic gets this many times its ideal time before it is called stuck
 MIN_TIMEOUT_S = 120.0
+QUIET_FRAMES = 20       # a port that sent nothing for this many frame times has drained
+
+log = logging.getLogger(__name__)
 
 
 def rc_params(net, rate_mbps: float, kmax_kb: float, time_scale: float = 0.0,
@@ -66,6 +71,37 @@ def sender_rates(flows: list[dict], since: float, until: float) -> dict[str, flo
     (retransmissions included)."""
     return {f["src"]: rate(f["rate_samples"]["t"], f["rate_samples"]["sent"], since, until)
             for f in flows}
+
+
+def tx_bytes(intf: str) -> int:
+    """The bytes a switch port (an interface of the root namespace) has sent."""
+    return int(Path(f"/sys/class/net/{intf}/statistics/tx_bytes").read_text())
+
+
+def drain_quiet_s(rate_mbps: float) -> float:
+    """How long a port of this rate stays silent before its queue counts as drained:
+    QUIET_FRAMES frame times, SETTLE_S at least (gaps between frames grow on a slow
+    machine, and the counters need SETTLE_S to reach the state file anyway)."""
+    return max(SETTLE_S, QUIET_FRAMES * FRAME_BYTES * 8 / (rate_mbps * 1e6))
+
+
+def once_quiet(read, quiet_s: float, limit_s: float = 30.0, what: str = "the ports"):
+    """`read()` again every `quiet_s` until it reads the same twice: the counters it reads
+    stopped moving. Flows stopped mid-way leave frames in the fabric's queues, which go
+    on leaving through its ports; counted while they do, a frame sent between the count
+    and its timestamp is in a capture's span and not in the count (measured once,
+    natively, one frame). Its last reading, with a warning if it still moved after
+    `limit_s`."""
+    last, deadline = read(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    log.warning(f"{what} still carried traffic {limit_s:g} s after the flows stopped: "
+                f"their counts may differ from a capture's by the frames in between")
+    return last
 
 
 class SwitchDrops:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import (FRAME_BYTES, SETTLE_S, SwitchDrops, rc_params,
-                                    traffic_timeout_s)
+from lab.experiments.common import (SETTLE_S, SwitchDrops, drain_quiet_s, once_quiet,
+                                    rc_params, traffic_timeout_s, tx_bytes)
 from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -66,26 +65,7 @@ class Params:
 
 
 def uplink_bytes(leaf: str, spines: int) -> list[int]:
-    return [int(Path(f"/sys/class/net/{interface_name(leaf, p)}/statistics/tx_bytes").read_text())
-            for p in range(1, spines + 1)]
-
-
-def once_quiet(read, quiet_s: float, limit_s: float = 30.0):
-    """`read()` again every `quiet_s` until it reads the same twice: the counters it reads
-    stopped moving (flows stopped mid-way leave frames in the fabric's queues, which go
-    on crossing the uplinks; counted while they do, a frame sent between the count and
-    its timestamp is in the capture's span and not in the count: measured once, natively,
-    one frame). Its last reading, with a warning if it still moved after `limit_s`."""
-    last, deadline = read(), time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        now = read()
-        if now == last:
-            return now
-        last = now
-    log.warning(f"the uplinks still carried traffic {limit_s:g} s after the flows stopped: "
-                f"their byte counts may differ from a capture's by the frames in between")
-    return last
+    return [tx_bytes(interface_name(leaf, p)) for p in range(1, spines + 1)]
 
 
 def capture_plan(fabric, params: Params) -> CapturePlan:
@@ -138,10 +118,9 @@ def measure(ctx: RunContext, gpus: GpuAgents, transport: str, plan, params=None,
                          allow_timeout=limit_ideals is not None)
     finished = [f["completion_s"] for f in res if f["completion_s"] is not None]
     stopped = len(finished) < len(res)
-    # stopped: the queues drain first (quiet for 20 frames' time on an uplink, or the
-    # settling time, whichever is longer: gaps between frames grow on a slow machine)
+    # stopped: the queues the flows left drain first
     after = once_quiet(lambda: uplink_bytes("fl-lf0", spines),
-                       max(SETTLE_S, 20 * FRAME_BYTES * 8 / (uplink_mbps(ctx.fabric) * 1e6))) \
+                       drain_quiet_s(uplink_mbps(ctx.fabric)), what="fl-lf0's uplinks") \
         if stopped else uplink_bytes("fl-lf0", spines)
     per_spine = [a - b for a, b in zip(after, before)]
     t1 = time.time()

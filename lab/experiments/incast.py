@@ -28,13 +28,15 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import (FRAME_BYTES, SETTLE_S, idle_rtt_ms, rate,
-                                    rc_params, sender_rates, starved, traffic_timeout_s)
+from lab.experiments.common import (FRAME_BYTES, SETTLE_S, drain_quiet_s, idle_rtt_ms,
+                                    once_quiet, rate, rc_params, sender_rates, starved,
+                                    traffic_timeout_s, tx_bytes)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
 from lab.fabric.telemetry import write_flow_rates
 from lab.kernel import ovs
+from topologies.fabric import interface_name
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.mrc import DATA_OVERHEAD_BYTES
 from traffic.rccc import RcccParams
@@ -237,7 +239,15 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
                            else traffic_timeout_s(len(senders) * nbytes, recv_if.rate_mbps))
     t1 = time.time()
     log.info(f"  traffic done in {t1 - t0:.1f} s; reading the counters")
-    time.sleep(SETTLE_S)
+    if any(f["completion_s"] is None for f in flows):
+        # stopped at its limit: the frames its senders left queued go on leaving through
+        # the bottleneck (its buffer at the port's rate: 1 s at 0.5 Mb/s), inside a
+        # capture's span; counted once they have left (read after SETTLE_S at 0.5 Mb/s,
+        # 42 frames still queued were drops to the capture)
+        port = interface_name(recv_if.switch, recv_if.port)
+        once_quiet(lambda: tx_bytes(port), drain_quiet_s(recv_if.rate_mbps), what=port)
+    else:
+        time.sleep(SETTLE_S)
     after = controller_counts(net, ctx.telemetry, recv_if.switch, recv_if.port)
     lost = ovs.datapath_lost_packets() - lost0
     key = f"{recv_if.switch}:{recv_if.port}:{PRIORITY_ROCE_DATA}"

@@ -37,11 +37,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import allreduce_delivery, stall_s, traffic_timeout_s
+from lab.experiments.common import (allreduce_delivery, stall_s, traffic_timeout_s,
+                                    tx_bytes)
 from lab.fabric import events
 from lab.fabric.evs import EvController
 from lab.fabric.gpus import GpuAgents, explicit_evs
@@ -112,10 +112,6 @@ def uplinks(ctx: RunContext, leaf: str) -> list[str]:
     spines = {s.name for s in ctx.fabric.switches if s.role == "spine"}
     return [interface_name(leaf, p) for p, (peer, _) in
             sorted(ctx.fabric.switch_ports(leaf).items()) if peer in spines]
-
-
-def tx_bytes(intf: str) -> int:
-    return int(Path(f"/sys/class/net/{intf}/statistics/tx_bytes").read_text())
 
 
 class Failure:

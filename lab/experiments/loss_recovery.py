@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lab.core.errors import UsageError
 from lab.experiments.base import Claim, RunContext
+from lab.experiments.common import SETTLE_S
 from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import RandomLoss
@@ -22,7 +23,6 @@ DESCRIPTION = "random loss on one link: retransmissions per lost packet, RC go-b
 TOPOLOGY_DEFAULTS = {"leaf-spine": {"host_rate_mbps": 20.0, "fabric_rate_mbps": 20.0,
                                     "rate_scale": 5000}}
 
-SETTLE_S = 0.3      # after a transfer: its last frames leave, before the next one
 # The flow keeps its size on a slower machine (no SCALED_SIZES, calibrate.py): the losses
 # are random, and 2 MB at 1% expects 20 a run (none: p ~ 2e-9). Shrunk to x0.25 it
 # expected 5 (none: p ~ 0.7%), and a tour in the lab VM saw RC lose none.

@@ -24,11 +24,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments.base import Claim, RunContext
-from lab.experiments.common import allreduce_delivery, stall_s, traffic_timeout_s
+from lab.experiments.common import (allreduce_delivery, stall_s, traffic_timeout_s,
+                                    tx_bytes)
 from lab.fabric.gpus import GpuAgents
 from lab.kernel.impair import set_link
 from topologies.base import plane_of
@@ -82,10 +82,6 @@ def plane_uplinks(ctx: RunContext) -> dict[int, list[str]]:
             interface_name(leaf, p)
             for p, (peer, _) in sorted(ctx.fabric.switch_ports(leaf).items()) if peer in spines)
     return out
-
-
-def tx_bytes(intf: str) -> int:
-    return int(Path(f"/sys/class/net/{intf}/statistics/tx_bytes").read_text())
 
 
 def plane_bytes(uplinks: dict[int, list[str]]) -> dict[int, int]:

@@ -104,7 +104,20 @@ def read_state(workdir: Path, written_after: float | None = None,
         time.sleep(min(0.02, STATE_EVERY_S / 4))
 
 
+def discard_unfinished_writes(workdir: Path) -> None:
+    """Remove the temporary copies a write cut short left behind: the lab stops the app
+    with a signal, which can land between writing a file's copy and renaming it (seen
+    once, in the lab VM's slower CPU: a run left `.congestion-state.json.tmp`). Called
+    once the app has exited, so nothing writes them any more."""
+    for name in FILES:
+        _unfinished(Path(workdir) / name).unlink(missing_ok=True)
+
+
+def _unfinished(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _unfinished(path)
     tmp.write_text(text)
     os.replace(tmp, path)

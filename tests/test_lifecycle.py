@@ -154,6 +154,31 @@ def test_metrics_json_is_never_half_written(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == {"ok": 1}
 
 
+def test_an_app_stopped_mid_write_leaves_no_half_written_file(tmp_path):
+    """The lab stops the controller with a signal, which can land between an app writing
+    its state's temporary copy and renaming it (once in the lab VM: a run's directory
+    kept `.congestion-state.json.tmp`). Once the app has exited, the copy is removed and
+    the last whole state stays."""
+    import sys
+    from controllers import protocol
+    from lab.fabric.controller import Controller
+    protocol.write_state(tmp_path, {"t": 1.0})
+    unfinished = tmp_path / f".{protocol.STATE_FILE}.tmp"
+    # the app, stopped between the two steps of its next write
+    app = subprocess.Popen([sys.executable, "-c", "import pathlib, sys, time; "
+                            "pathlib.Path(sys.argv[1]).write_text('{\"t\": 2'); "
+                            "time.sleep(60)", str(unfinished)])
+    ctl = Controller(build_topo("leaf-spine", spines=1, leaves=1, hosts_per_leaf=2).fabric,
+                     tmp_path)
+    ctl.proc = app
+    while not unfinished.exists():
+        assert app.poll() is None
+    ctl.stop()
+    assert app.returncode == -signal.SIGTERM
+    assert not unfinished.exists()
+    assert protocol.read_state(tmp_path) == {"t": 1.0}
+
+
 @requires_root
 def test_doctor_reports_this_kernel(machine_calibration):
     r = fabriclab("doctor", "--json")

@@ -268,6 +268,43 @@ def test_frames_queued_from_both_cpus_at_once_never_overfill_the_kernels_queue()
 
 
 @requires_root
+@pytest.mark.parametrize("role", [dataplane.ROLE_SWITCH, dataplane.ROLE_HOST])
+def test_a_frame_without_room_is_dropped_once_at_a_switch_and_refused_at_a_host(role):
+    """A switch port drops a frame its queue has no room for without a word to the
+    sender, as a switch's drop is: told ENOBUFS, OVS's userspace datapath offered the
+    same frame again in its sendmmsg batch, and the program counted it twice (in
+    pfc-spreading's ECN variant, up to 4 drops a run more than the wire showed). A GPU
+    host's port refuses it (ENOBUFS): its NIC keeps the frame and sends it again."""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Ether
+    frame = bytes(Ether(dst=MAC_B, src="02:fd:00:00:00:01") /
+                  IP(src="10.99.0.1", dst="10.99.0.2", tos=DSCP_ROCE_DATA << 2) /
+                  UDP(sport=49152, dport=4791) / (b"x" * 1000))
+    code = ("import errno,socket\n"
+            f"s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW); s.bind(('{INTF_A}',0))\n"
+            f"f=bytes.fromhex('{frame.hex()}'); ok=refused=0\n"
+            "for i in range(2000):\n"
+            "    try: s.send(f); ok+=1\n"
+            "    except OSError as e:\n"
+            "        assert e.errno==errno.ENOBUFS, e\n"
+            "        refused+=1\n"
+            "print(ok,refused)\n")
+    with Pair() as pair:
+        pair.table.set_role(0, dataplane.NO_SLOT, role)
+        out = subprocess.run(["ip", "netns", "exec", NS_A, "python3", "-c", code],
+                             capture_output=True, text=True, check=True).stdout
+        ok, refused = map(int, out.split())
+        time.sleep(0.5)         # the queue drains: 32 KB at 2 Mb/s take 0.13 s
+        c = pair.table.counters(0, PRIORITY_ROCE_DATA)
+    assert c["drop_packets"] > 0, c
+    if role == dataplane.ROLE_SWITCH:       # dropped once, the sender told it went out
+        assert (ok, refused) == (2000, 0) and c["in_packets"] + c["drop_packets"] == 2000, c
+    else:                                   # refused, as often as the sender was told
+        assert (ok, refused) == (c["in_packets"], c["drop_packets"]), (ok, refused, c)
+    assert c["in_packets"] == c["out_packets"], c
+
+
+@requires_root
 def test_a_pause_a_transport_honours_is_counted_but_asks_for_no_gate():
     """A GPU agent's transport stops RoCE data itself when a pause arrives (lab/fabric/gpus.py
     marks its host's port): the program counts the frame and signals only the

@@ -1,8 +1,8 @@
 """What experiments share (instead of importing each other): the RoCE frame size,
 RC's parameters through congested ports, rates from a transport's samples, a port's
-sent bytes and waiting for them to stop, the switches' drops from now on and what frames lost inside OVS say about the machine,
-the all-reduce model, an all-reduce's delivery while something fails and how long it
-stalled."""
+sent bytes and waiting for them to stop, the switches' drops from now on and what
+frames lost inside OVS say about the machine, the all-reduce model, an all-reduce's
+delivery while something fails and how long it stalled."""
 from __future__ import annotations
 
 import logging

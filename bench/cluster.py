@@ -4,9 +4,9 @@ tunnels carry the links between the halves (lab/cluster.py).
 
     sudo .venv/bin/python bench/cluster.py [--set spines=4 --set leaves=4 ...]
 
-Machine 1 runs `fabriclab cluster worker --once`; machine 0 `fabriclab verify
---machines 10.99.0.1,10.99.0.2`: its half with the controller, the worker's half,
-every host pair probed (each machine from its own hosts). Prints both consoles, then
+Machine 1 runs an ssh server; machine 0 `fabriclab verify --machines
+10.99.0.1,root@10.99.0.2`: its half with the controller, the worker it starts over ssh
+builds the other half, every host pair is probed (each machine from its own hosts). Prints both consoles, then
 the verify's lines and the time; exit 0 when every pair was reachable.
 """
 import argparse
@@ -25,10 +25,9 @@ def main() -> int:
     args = ap.parse_args()
     sets = " ".join(f"--set {shlex.quote(s)}" for s in args.set)
     t0 = time.monotonic()
-    head, worker = pair.run(
-        f"fabriclab verify --machines {pair.address(0)},{pair.address(1)} {sets}",
-        "fabriclab cluster worker --once", args.timeout,
-        echo=lambda line: print(line, flush=True))
+    head, worker = pair.run_cluster(
+        f"fabriclab verify --machines {pair.address(0)},{pair.target(1)} {sets}",
+        args.timeout, echo=lambda line: print(line, flush=True))
     print("\n".join(["", "== cluster bench =="]
                     + [ln for ln in head.lines if ln.startswith(("reachable:", "fabric ready",
                                                                  "torn down", "warning"))]

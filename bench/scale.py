@@ -36,7 +36,7 @@ SHAPES = {16: ("leaf-spine", dict(spines=2, leaves=4, hosts_per_leaf=4)),
 FAT_TREE_1024 = ("fat-tree", dict(k=16))
 GOAL_S = {256: 60.0, 1024: 180.0}
 SAMPLE_FROM = 1024           # hosts from which verify samples pairs
-SAMPLE_PER_HOST = 64
+SAMPLE_PER_HOST = verify.SAMPLE_PER_HOST
 STAGES = ("namespaces_links_s", "switches_s", "queues_s", "dataplane_s", "programming_s",
           "session_s")
 TEARDOWN = ("teardown_controller_s", "teardown_bridges_s", "teardown_links_s",

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 from lab.core import console
@@ -100,19 +101,24 @@ def cmd_verify(args) -> int:
     from lab.fabric import verify
     from lab.session import Session
     topo = topology_from_args(args)
+    if args.sample is not None and args.sample < 1:
+        raise UsageError("--sample must be at least 1 (destinations per host)")
+    print(verify.announce(verify.planned(topo.fabric, args.sample), args.sample))
     if args.machines:
         with _cluster(topo, args) as c:
             print(f"fabric ready on {len(args.machines)} machines in "
-                  f"{c.timings['ready_s']:.1f} s; probing all host pairs")
-            report = c.verify()
+                  f"{c.timings['ready_s']:.1f} s; probing")
+            report = c.verify(per_host=args.sample)
         timings = f"torn down in {c.timings['teardown_s']:.1f} s"
     else:
         with Session(topo, "fabriclab verify", verbose=args.verbose,
                      controller_runtime=args.controller_runtime) as s:
             net = s.net
-            print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing all host pairs")
+            print(f"fabric ready in {net.timings['ready_s']:.1f} s; probing")
             pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
-            report = verify.measure(net.fabric, pids)
+            t0 = time.monotonic()
+            report = verify.measure(net.fabric, pids, per_host=args.sample)
+            print(f"probed in {time.monotonic() - t0:.1f} s")
         timings = (f"built in {net.timings['build_s']:.1f} s, torn down in "
                    f"{net.timings['teardown_s']:.1f} s")
     for line in report.lines():
@@ -124,22 +130,33 @@ def cmd_verify(args) -> int:
 
 def _cluster(topo, args):
     from lab.cluster import Cluster
-    given = {k: v for k, v in (("worker_port", args.worker_port),
-                               ("connect_timeout_s", args.wait)) if v is not None}
-    return Cluster(topo, args.machines, **given,
+    return Cluster(topo, args.machines, reach=_reach(args),
                    controller_runtime=getattr(args, "controller_runtime", "os-ken"))
 
 
+def _reach(args):
+    """How the head reaches the other machines (lab/ssh.py), from --ssh,
+    --remote-fabriclab and --wait."""
+    from lab.ssh import Reach
+    return Reach(**{k: v for k, v in (("ssh", args.ssh),
+                                      ("remote_fabriclab", args.remote_fabriclab),
+                                      ("connect_timeout_s", args.wait)) if v is not None})
+
+
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--machines", metavar="HEAD,ADDR,...",
+    p.add_argument("--machines", metavar="HEAD,[USER@]ADDR,...",
                    type=lambda v: [x for x in v.split(",") if x],
                    help="spread the fabric over machines: this machine's address, then each "
-                        "other's, where `fabriclab cluster worker` runs (README: A fabric "
-                        "across machines)")
-    p.add_argument("--worker-port", type=int, metavar="PORT",
-                   help="the workers' TCP port (default: the worker's default)")
+                        "other's as ssh reaches it; the head starts a worker on each over "
+                        "ssh (README: A fabric across machines)")
+    p.add_argument("--ssh", metavar="COMMAND",
+                   help="with --machines: the ssh command, with your options (default ssh)")
+    p.add_argument("--remote-fabriclab", metavar="PATH",
+                   help="with --machines: the fabriclab command on the other machines "
+                        "(default: this one's path)")
     p.add_argument("--wait", type=float, metavar="S",
-                   help="with --machines: how long to wait for each worker to listen")
+                   help="with --machines: how long to keep trying a machine ssh cannot "
+                        "reach yet (default 60)")
 
 
 def _warn_wrong_hops(report) -> None:
@@ -151,8 +168,15 @@ def _warn_wrong_hops(report) -> None:
 
 
 def cmd_cluster_worker(args) -> int:
+    from lab import ssh
     from lab.cluster import Worker
-    Worker(args.listen, *([args.port] if args.port is not None else [])).serve(once=args.once)
+    if sys.stdin.isatty():
+        raise UsageError("a cluster worker is started by the head over ssh and speaks on "
+                         "its stdin and stdout: run `fabriclab verify --machines "
+                         "HEAD,[USER@]THIS,...` on the head (README: A fabric across machines)")
+    channel = ssh.stdio_channel()
+    console.attach("stderr")            # its log: what ssh shows the head
+    Worker().serve(channel)
     return 0
 
 
@@ -192,9 +216,7 @@ def cmd_run(args) -> int:
         raise UsageError("--repeat must be at least 1")
     if args.capture_snaplen < 0:
         raise UsageError("--capture-snaplen must be 0 (whole frames) or more")
-    across = {"machines": args.machines} if args.machines else {}
-    across.update((k, v) for k, v in (("worker_port", args.worker_port),
-                                      ("connect_timeout_s", args.wait)) if v is not None)
+    across = {"machines": args.machines, "reach": _reach(args)} if args.machines else {}
     if args.repeat > 1:
         out, summary = runner.repeat(args.name, args.set or [], args.repeat, args.out,
                                      capture=args.capture,
@@ -462,6 +484,9 @@ def build_parser() -> Parser:
         s.add_argument("--verbose", "-v", action="store_true", help="Mininet's own log")
         add_runtime_arg(s)
         if name == "verify":
+            s.add_argument("--sample", type=int, metavar="N",
+                           help="probe N random destinations of each host, not every pair "
+                                "(at 1024 hosts all pairs are a million probes)")
             add_cluster_args(s)
         s.set_defaults(func=func)
     sub.add_parser("list", help="the experiments").set_defaults(func=cmd_list)
@@ -558,12 +583,9 @@ def build_parser() -> Parser:
     cl = sub.add_parser("cluster", help="a fabric over several machines (OVS VXLAN tunnels "
                         "between them, one controller on the first)")
     clsub = cl.add_subparsers(dest="cluster_command", required=True, parser_class=Parser)
-    cw = clsub.add_parser("worker", help="serve a cluster's head: build this machine's part "
-                          "when asked, take it down when the head is done or gone")
-    cw.add_argument("--listen", default="0.0.0.0", metavar="ADDR",
-                    help="the address to listen on (default every address)")
-    cw.add_argument("--port", type=int, help="TCP port (default 6690)")
-    cw.add_argument("--once", action="store_true", help="exit after serving one head")
+    cw = clsub.add_parser("worker", help="started by a cluster's head over ssh: build this "
+                          "machine's part when asked, take it down when the head is done "
+                          "or gone (speaks on stdin and stdout; listens on nothing)")
     cw.set_defaults(func=cmd_cluster_worker)
     sm = sub.add_parser("samples", help="write a pcap with one frame of each kind the lab sends")
     sm.add_argument("--out", type=Path, required=True, metavar="FILE.pcap", help="pcap to write")

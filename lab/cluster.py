@@ -1,20 +1,24 @@
 """A fabric over several machines: the head, and a worker on each other machine.
 
-    on every other machine:  fabriclab cluster worker [--listen ADDR] [--port 6690]
-    on the head:             fabriclab verify --machines HEAD,ADDR1,... [--set ...]
-                             fabriclab allreduce --machines HEAD,ADDR1,... --values ...
-                             fabriclab run incast --machines HEAD,ADDR1,... [--set ...]
+    on the head:  fabriclab verify --machines HEAD,[USER@]ADDR1,... [--set ...]
+                  fabriclab allreduce --machines HEAD,[USER@]ADDR1,... --values ...
+                  fabriclab run incast --machines HEAD,[USER@]ADDR1,... [--set ...]
 
-The head splits the fabric (topologies/partition.py: a leaf with its GPUs stays on one
-machine; only switch-to-switch links cross, each through a VXLAN tunnel of OVS's:
+The head starts a worker on every other machine over ssh (lab/ssh.py: the user's keys
+and known_hosts; the worker speaks on its stdin and stdout, and nothing listens). It
+splits the fabric (topologies/partition.py: a leaf with its GPUs stays on one machine;
+only switch-to-switch links cross, each through a VXLAN tunnel of OVS's:
 lab/kernel/tunnel.py), builds its own part with the one controller, listening on its
-cluster address, then asks each worker to build its part (the same topology from the
-same parameters, checked equal there) with its switches connecting to that
-controller, and waits until the controller has programmed every machine's switches.
+loopback, then asks each worker to build its part (the same topology from the same
+parameters, checked equal there) with its switches connecting to that controller
+through the worker's ssh connection (a port forwarded to the head's loopback), and waits
+until the controller has programmed every machine's switches.
 A verify probes every pair: each machine those whose source is its own. A collective
-runs a GPU agent in every host: the head starts the other machines' agents through
-their workers, which relay each agent's stdin and stdout over a TCP connection of its
-own (RemoteProcess), so GpuAgents drives them as it drives the head's. ECN and PFC
+runs a GPU agent in every host: the head has the other machines' agents started by
+their workers, each agent's stdin and stdout a stream of the worker's channel
+(RemoteProcess), so GpuAgents drives them as it drives the head's. A worker starts
+nothing else for the head: the lab's agent module, its arguments checked as the agent
+parses them (agent_args), in a host of its part. ECN and PFC
 are each machine's own, as a switch's are: its BPF data path on its ports (a crossing
 link's departures counted at its stub) and its congestion app over its part, configured
 by the head (Cluster.set_congestion) and read back (congestion_state); a PFC frame
@@ -25,36 +29,36 @@ and captures its own ports, and the head reads them through the workers
 offsets measured at the start: traffic/clock.py). Each machine takes its part down
 itself, also when the head's connection drops.
 
-Head and worker speak JSON, a line per message, over TCP: on the head's connection the
-head sends {"op": ...} and the worker answers each with {"ok": true, ...} or {"ok":
-false, "error": "..."}; a process's connection starts with one such exchange ("attach")
-and is a raw pipe after it.
+On a worker's channel the head sends {"op": ...} and the worker answers each with
+{"ok": true, ...} or {"ok": false, "error": "..."}, one at a time.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from lab import ssh
 from lab.core.errors import LabError
 from lab.fabric import congestion, verify
 from lab.fabric.capture import Captures
 from lab.fabric.congestion import CongestionParams
+from lab.fabric.controller import free_port
 from lab.fabric.network import FabricNetwork, MachinePart
 from lab.fabric.telemetry import QueueSample, QueueTelemetry, hottest
 from lab.kernel.probe import PairResult
 from lab.kernel.queues import QueueParams, RedParams
 from lab.session import Session
-from traffic import clock
+from lab.ssh import RemoteProcess
+from traffic import agent, clock
 from topologies.base import FabricTopo
 from topologies.fabric import interface_port
 from topologies.partition import Partition, split
@@ -62,52 +66,13 @@ from topologies.registry import build_topo
 
 log = logging.getLogger(__name__)
 
-WORKER_PORT = 6690
-CONNECT_TIMEOUT_S = 60
 BUILD_TIMEOUT_S = 600        # a part of a few hundred hosts under a software CPU
 VERIFY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 300
 ANSWER_TIMEOUT_S = 120       # anything else: ECN/PFC set and applied, state, counters
 
 
-# --- the wire -----------------------------------------------------------------------------
-class Channel:
-    """One TCP connection carrying a JSON object per line, both ways."""
-
-    def __init__(self, sock: socket.socket, peer: str):
-        self.sock, self.peer = sock, peer
-        self.file = sock.makefile("rwb")
-
-    def send(self, **msg) -> None:
-        self.file.write(json.dumps(msg).encode() + b"\n")
-        self.file.flush()
-
-    def receive(self, timeout_s: float | None = None) -> dict | None:
-        """The next message; None when the other side closed the connection."""
-        self.sock.settimeout(timeout_s)
-        try:
-            line = self.file.readline()
-        except socket.timeout:
-            raise LabError(f"{self.peer} did not answer within {timeout_s:.0f} s") from None
-        return json.loads(line) if line else None
-
-    def ask(self, timeout_s: float, **msg) -> dict:
-        self.send(**msg)
-        reply = self.receive(timeout_s)
-        if reply is None:
-            raise LabError(f"{self.peer} closed the connection (see its worker's output)")
-        if not reply.get("ok"):
-            raise LabError(f"{self.peer}: {reply.get('error', 'failed')}")
-        return reply
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-            self.sock.close()
-        except OSError:
-            pass
-
-
+# --- the wire (lab/ssh.py carries it) ----------------------------------------------------
 def _pair_results(rows: list[list]) -> list[PairResult]:
     return [PairResult(*row) for row in rows]
 
@@ -116,226 +81,101 @@ def _pair_rows(results: list[PairResult]) -> list[list]:
     return [[r.src, r.dst, r.dst_ip, r.rtt_ms, r.hops] for r in results]
 
 
-def _send_line(sock: socket.socket, **msg) -> None:
-    sock.sendall(json.dumps(msg).encode() + b"\n")
-
-
-def _recv_line(sock: socket.socket, timeout_s: float) -> dict | None:
-    """One JSON line read a byte at a time: after it the connection is a raw pipe, and
-    a buffered reader could have taken the pipe's first bytes with the line."""
-    sock.settimeout(timeout_s)
-    line = b""
-    try:
-        while not line.endswith(b"\n"):
-            byte = sock.recv(1)
-            if not byte:
-                return None
-            line += byte
-    except socket.timeout:
-        return None
-    finally:
-        sock.settimeout(None)
-    return json.loads(line)
-
-
-class RemoteProcess:
-    """A process in a host of another machine, as GpuAgents uses a Popen: its stdin and
-    stdout are one TCP connection to that machine's worker, which started it there
-    (recorded for cleanup there) and relays both; its stderr goes to the worker's log.
-    The connection closing is the process ending, either way."""
-
-    def __init__(self, sock: socket.socket, pid: int, machine: int):
-        self.sock, self.pid, self.machine = sock, pid, machine
-        self.stdin = sock.makefile("w", encoding="utf-8")
-        self.stdout = sock              # read raw (os.read on its fileno) by GpuAgents
-        self.stderr = io.StringIO(f"(its errors are in machine {machine}'s worker output)")
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    self.returncode = 0
-            except BlockingIOError:
-                pass
-            except OSError:
-                self.returncode = 0
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Until the connection closes; what the process still wrote is read and dropped
-        (else it would hide the close from poll's peek)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            try:
-                if self.sock.recv(1 << 16, socket.MSG_DONTWAIT) == b"":
-                    self.returncode = 0
-                continue
-            except BlockingIOError:
-                pass
-            except OSError:
-                self.returncode = 0
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid} on machine {self.machine}",
-                                                timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-    def kill(self) -> None:
-        """The worker sees the connection close and stops the process."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.returncode = -9
-
-
 # --- a worker -----------------------------------------------------------------------------
-def _refuse(conn: socket.socket, why: str) -> None:
-    try:
-        _send_line(conn, ok=False, error=why)
-    except OSError:
-        pass
-    conn.close()
+AGENT_MODULE = "traffic.agent"
+AGENT_STOP_S = 5             # an agent whose stdin closed has this long to exit
 
 
-def relay(conn: socket.socket, proc: subprocess.Popen, host: str) -> None:
-    """conn's bytes to proc's stdin, proc's stdout to conn, its stderr to the log; when the
-    head closes, the process's stdin closes (a GPU agent exits then) and it is stopped if
-    it lingers; when the process ends, the connection closes."""
-    def up():
-        try:
-            while data := conn.recv(1 << 16):
-                proc.stdin.write(data)
-                proc.stdin.flush()
-        except OSError:
-            pass
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-
-    def errors():
-        for line in proc.stderr:
-            log.warning(f"{host}: {line.decode(errors='replace').rstrip()}")
-
-    threads = [threading.Thread(target=up, daemon=True),
-               threading.Thread(target=errors, daemon=True)]
-    for t in threads:
-        t.start()
+def agent_args(args) -> list[str]:
+    """The arguments of a GPU agent the head asks for, checked as the agent itself would
+    parse them: the only process a worker starts for a head is the lab's agent module,
+    never an argument vector as it came."""
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise LabError("a GPU agent's arguments are a list of strings")
     try:
-        while data := os.read(proc.stdout.fileno(), 1 << 16):
-            conn.sendall(data)
-    except OSError:
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
-    for t in threads:
-        t.join(timeout=5)
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            agent.parser().parse_args(args)
+    except SystemExit:
+        why = (said.getvalue().strip().splitlines() or ["refused"])[-1]
+        raise LabError(f"not a GPU agent's arguments ({why})") from None
+    return args
 
 
 class Worker:
-    """Serves one head at a time: builds this machine's part when asked, probes from its
-    hosts, takes the part down when asked or when the head goes away."""
+    """Serves the head that started it over ssh, on its stdin and stdout (lab/ssh.py):
+    builds this machine's part when asked, probes from its hosts, starts GPU agents in
+    them, and takes the part down when asked or when the head goes away (its stdin
+    ends). It listens on nothing."""
 
-    def __init__(self, listen_ip: str = "0.0.0.0", port: int = WORKER_PORT):
-        self.listen_ip, self.port = listen_ip, port
+    def __init__(self):
         self.session: Session | None = None
         self.clock_offset_s = 0.0       # this machine's clock + it = the head's
         self.captures: Captures | None = None
+        self.channel: ssh.Channel | None = None
 
-    def serve(self, once: bool = False) -> None:
-        with socket.socket() as server:
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind((self.listen_ip, self.port))
-            server.listen(64)
-            log.info(f"cluster worker listening on {self.listen_ip}:{self.port}")
-            while True:
-                conn, addr = server.accept()
-                channel = Channel(conn, f"head {addr[0]}")
-                try:
-                    first = channel.receive(timeout_s=30)
-                except (LabError, ValueError):
-                    first = None
-                if first is None or first.get("op") == "attach":
-                    _refuse(conn, "no head has built a part here")
-                    continue
-                log.info(f"head {addr[0]} connected")
-                done = threading.Event()
-                acceptor = threading.Thread(target=self._attachments, args=(server, done),
-                                            daemon=True)
-                acceptor.start()
-                try:
-                    self.handle(channel, first)
-                finally:
-                    done.set()
-                    acceptor.join()
-                    self.take_down()
-                    channel.close()
-                    log.info(f"head {addr[0]} is gone; the part is down")
-                if once:
-                    return
-
-    def _attachments(self, server: socket.socket, done: threading.Event) -> None:
-        """While a head is served: its processes' connections, each relayed by a thread of
-        its own; anything else is refused."""
-        server.settimeout(0.5)
+    def serve(self, channel: ssh.Channel) -> None:
+        self.channel = channel
+        channel.send(ok=True, worker=True, pid=os.getpid())
         try:
-            while not done.is_set():
-                try:
-                    conn, _ = server.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=self._attach, args=(conn,), daemon=True).start()
+            self.handle(channel.receive())
         finally:
-            server.settimeout(None)
+            self.take_down()
+            log.info("the head is done or gone; the part is down")
 
-    def _attach(self, conn: socket.socket) -> None:
-        """Start a process in one of this part's hosts and relay its stdin and stdout
-        over `conn` until either side ends."""
-        conn.settimeout(None)
-        msg = _recv_line(conn, 30)
-        if msg is None or msg.get("op") != "attach":
-            _refuse(conn, "busy: this worker serves another head")
-            return
-        if self.session is None:
-            _refuse(conn, "no part is up here")
-            return
-        try:
-            # its timestamps on the head's clock (traffic/clock.py)
-            env = {**os.environ, clock.OFFSET_ENV: repr(self.clock_offset_s)}
-            proc = self.session.net.popen(msg["host"], [sys.executable, *msg["args"]],
-                                          msg["marker"], msg["kind"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          env=env)
-        except (KeyError, OSError, LabError) as e:
-            _refuse(conn, f"could not start the process in {msg.get('host')}: {e}")
-            return
-        _send_line(conn, ok=True, pid=proc.pid)
-        relay(conn, proc, msg["host"])
-
-    def handle(self, channel: Channel, msg: dict | None) -> None:
+    def handle(self, msg: dict | None) -> None:
         while msg is not None:
             op = msg.pop("op", None)
             try:
                 reply = getattr(self, f"op_{op}")(**msg) if hasattr(self, f"op_{op}") \
                     else {"ok": False, "error": f"unknown request {op!r}"}
-            except LabError as e:
+            except (LabError, TypeError) as e:     # TypeError: a request's fields wrong
                 reply = {"ok": False, "error": str(e)}
-            channel.send(**reply)
+            self.channel.send(**reply)
             if op == "stop":
                 return
-            msg = channel.receive()
+            msg = self.channel.receive()
+
+    def op_attach(self, host: str, args: list, stream: int) -> dict:
+        """A GPU agent in one of this part's hosts, its stdin and stdout the channel's
+        stream `stream`; checked first: a host of this part, an agent's arguments."""
+        args = agent_args(args)
+        net = self._net()
+        if host not in {h.name for h in net.fabric.hosts}:
+            raise LabError(f"{host} is not a host of this machine's part")
+        # its timestamps on the head's clock (traffic/clock.py)
+        env = {**os.environ, clock.OFFSET_ENV: repr(self.clock_offset_s)}
+        try:
+            proc = net.popen(host, [sys.executable, "-m", AGENT_MODULE, *args],
+                             f"{AGENT_MODULE} {' '.join(args[:2])}", "gpu-agent",
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        except OSError as e:
+            raise LabError(f"could not start a GPU agent in {host}: {e}") from None
+        self._relay(stream, proc, host)
+        return {"ok": True, "pid": proc.pid}
+
+    def _relay(self, sid: int, proc: subprocess.Popen, host: str) -> None:
+        """What the head sends on the stream goes to the agent's stdin; when the head
+        ends the stream its stdin closes (an agent exits then) and it is stopped if it
+        lingers. Its stdout goes back on the stream, ended when the agent ends; its
+        stderr to this worker's log."""
+        def write(data: bytes) -> None:
+            proc.stdin.write(data)
+            proc.stdin.flush()
+
+        def close() -> None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=AGENT_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+        def errors() -> None:
+            for line in proc.stderr:
+                log.warning(f"{host}: {line.decode(errors='replace').rstrip()}")
+        self.channel.sink(sid, write, close)
+        self.channel.pump(sid, lambda: os.read(proc.stdout.fileno(), 1 << 16), proc.wait)
+        threading.Thread(target=errors, daemon=True).start()
 
     def op_clock(self) -> dict:
         """This machine's wall clock, for the head to measure how far it is off its own."""
@@ -361,10 +201,8 @@ class Worker:
         log.info(f"machine {machine}'s part is up: {self.session.net.fabric.summary()}")
         return {"ok": True, "timings": self.session.net.timings}
 
-    def op_verify(self, tries: int = 3) -> dict:
-        if self.session is None:
-            raise LabError("this worker has no part up")
-        return {"ok": True, "results": _pair_rows(_probe_local(self.session.net, tries))}
+    def op_verify(self, tries: int = 3, per_host: int | None = None) -> dict:
+        return {"ok": True, "results": _pair_rows(_probe_local(self._net(), tries, per_host))}
 
     def op_congestion(self, params: dict) -> dict:
         """ECN and PFC on this machine's part: its congestion app, its queues."""
@@ -480,10 +318,11 @@ def queue_params(d: dict) -> QueueParams:
                           "red": RedParams(**d["red"]) if d.get("red") else None})
 
 
-def _probe_local(net: FabricNetwork, tries: int) -> list[PairResult]:
+def _probe_local(net: FabricNetwork, tries: int, per_host: int | None) -> list[PairResult]:
     """The pairs whose source is on this machine, probed here, over the whole fabric."""
     pids = {h.name: net.host_pid(h.name) for h in net.fabric.hosts}
-    return verify.measure(net.part.partition.fabric, pids, tries=tries, sources=set(pids)).results
+    return verify.measure(net.part.partition.fabric, pids, tries=tries, per_host=per_host,
+                          sources=set(pids)).results
 
 
 # --- the head -------------------------------------------------------------------------------
@@ -512,19 +351,21 @@ class Cluster:
     network: what each machine's FabricNetwork gets (queue_params, machine_factor,
     use_dataplane); telemetry: every machine watches its queues (ClusterTelemetry)."""
 
-    def __init__(self, topo: FabricTopo, addresses: list[str], workdir: Path | None = None,
-                 worker_port: int = WORKER_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 controller_runtime: str = "os-ken", label: str = "fabriclab cluster (head)",
-                 telemetry: bool = False, **network):
-        if len(addresses) < 2:
+    def __init__(self, topo: FabricTopo, machines: list[str], workdir: Path | None = None,
+                 reach: ssh.Reach = ssh.Reach(), controller_runtime: str = "os-ken",
+                 label: str = "fabriclab cluster (head)", telemetry: bool = False, **network):
+        """machines: this machine's address, then each other's ssh target,
+        `[user@]address` (lab/ssh.py: each address is also where its tunnels go)."""
+        if len(machines) < 2:
             raise LabError("a cluster needs at least two machines (--machines HEAD,OTHER,...)")
-        self.topo, self.addresses, self.worker_port = topo, addresses, worker_port
-        self.connect_timeout_s = connect_timeout_s
+        self.topo, self.machines, self.reach = topo, machines, reach
+        self.addresses = [ssh.address(m) for m in machines]
         self.controller_runtime, self.label = controller_runtime, label
         self.want_telemetry, self.network = telemetry, network
-        self.partition = split(topo.fabric, len(addresses))
+        self.partition = split(topo.fabric, len(machines))
         self.workdir = workdir
-        self.channels: dict[int, Channel] = {}
+        self.connections: dict[int, ssh.WorkerConnection] = {}
+        self.channels: dict[int, ssh.Channel] = {}
         self.lock = threading.Lock()        # one request at a time on the channels
         self.session: Session | None = None
         self.telemetry: ClusterTelemetry | None = None
@@ -546,19 +387,24 @@ class Cluster:
         t0 = time.monotonic()
         log.info(f"{self.topo.fabric.summary()} over {len(self.addresses)} machines: "
                  f"{self.partition.summary()}")
-        for m, ip in enumerate(self.addresses[1:], start=1):   # every worker there first
-            self.channels[m] = Channel(self._connect(ip), f"machine {m} ({ip})")
+        # The head's controller listens on its loopback; each worker's ssh connection
+        # carries its switches' connections to it (ssh -R, the same port there).
+        controller_port = free_port()
+        for m, target in enumerate(self.machines[1:], start=1):   # every worker first
+            self.connections[m] = ssh.WorkerConnection(m, target, self.reach, controller_port)
+            self.channels[m] = self.connections[m].channel
             self.clock_offsets_s[m] = self._clock_offset(self.channels[m])
             log.info(f"machine {m}'s clock is {self.clock_offsets_s[m] * 1e3:+.1f} ms off "
                      f"this one's: what it reports is shifted by that")
         addresses = dict(enumerate(self.addresses))
         self.session = Session(self.topo, self.label, self.workdir,
                                telemetry=self.want_telemetry,
-                               part=MachinePart(self.partition, 0, addresses, None),
+                               part=MachinePart(self.partition, 0, addresses, None,
+                                                controller_port),
                                controller_runtime=self.controller_runtime,
                                **self.network).__enter__()
         self.timings["head_part_s"] = time.monotonic() - t0
-        controller = [self.addresses[0], self.head.controller.port]
+        controller = ["127.0.0.1", controller_port]
         network = {"queue_params": dataclasses.asdict(self.head.queue_params),
                    "machine_factor": self.head.machine_factor,
                    "use_dataplane": self.head.use_dataplane}
@@ -584,7 +430,7 @@ class Cluster:
             self.telemetry = ClusterTelemetry(self, self.session.telemetry)
 
     @staticmethod
-    def _clock_offset(channel: Channel) -> float:
+    def _clock_offset(channel: ssh.Channel) -> float:
         """How far the worker's wall clock is ahead of this one's (s): its reading against
         the middle of the round trip, from the quickest of CLOCK_TRIES (a machine's clock
         is set on its own; two lab VMs booted from their RTC differ by up to a second)."""
@@ -678,7 +524,7 @@ class Cluster:
                 self._answer(channel, f"could not flag {host}'s NIC")
 
     @staticmethod
-    def _answer(channel: Channel, what: str, timeout_s: float = ANSWER_TIMEOUT_S) -> dict:
+    def _answer(channel: ssh.Channel, what: str, timeout_s: float = ANSWER_TIMEOUT_S) -> dict:
         """The worker's answer to the request just sent; its error, said, if it failed."""
         reply = channel.receive(timeout_s)
         if reply is None or not reply.get("ok"):
@@ -688,60 +534,52 @@ class Cluster:
 
     def start_agent(self, host: str, args: list[str], profile: str | None = None):
         """A GPU agent in `host`: forked by the head's spawner, or started by the worker
-        of the machine that has the host."""
-        if self.partition.placement[host] == 0:
-            return self.head.start_agent(host, args, profile)
-        command = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []),
-                   "-m", "traffic.agent", *args]
-        return self.popen(host, command, "traffic.agent " + " ".join(args[:2]), "gpu-agent")
-
-    def popen(self, host: str, args: list[str], marker: str, kind: str, **kw):
-        """A process in `host`, on whichever machine has it: here, a Popen; on another
-        machine, a RemoteProcess its worker relays (stdin and stdout as pipes; its
-        times on this machine's clock: traffic/clock.py)."""
+        of the machine that has the host (a RemoteProcess: its stdin and stdout a stream
+        of that worker's channel; its times on this machine's clock: traffic/clock.py)."""
         machine = self.partition.placement[host]
         if machine == 0:
-            return self.head.popen(host, args, marker, kind, **kw)
-        if args[0] != sys.executable:
-            raise LabError(f"only Python processes of the lab run on other machines, not {args[0]}")
-        sock = socket.create_connection((self.addresses[machine], self.worker_port), timeout=10)
-        _send_line(sock, op="attach", host=host, args=args[1:], marker=marker, kind=kind)
-        reply = _recv_line(sock, 60)
-        if reply is None or not reply.get("ok"):
-            sock.close()
-            raise LabError(f"machine {machine} could not start a process in {host}: "
-                           f"{(reply or {}).get('error', 'no answer')}")
+            return self.head.start_agent(host, args, profile)
+        if profile:
+            log.warning(f"{host} is on machine {machine}: only this machine's agents are "
+                        f"profiled")
+        connection = self.connections[machine]
+        with self.lock:
+            sid, sock = connection.open_stream()
+            try:
+                reply = connection.channel.ask(ANSWER_TIMEOUT_S, op="attach", host=host,
+                                               args=args, stream=sid)
+            except LabError as e:
+                sock.close()
+                raise LabError(f"machine {machine} could not start {host}'s GPU agent: {e}"
+                               ) from None
         return RemoteProcess(sock, reply["pid"], machine)
 
-    def _connect(self, ip: str) -> socket.socket:
-        """The worker at `ip`, waited for: machines started together have their workers
-        listening at different times."""
-        deadline = time.monotonic() + self.connect_timeout_s
-        while True:
-            try:
-                return socket.create_connection((ip, self.worker_port), timeout=5)
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise LabError(f"no cluster worker at {ip}:{self.worker_port} within "
-                                   f"{self.connect_timeout_s:g} s ({e}); start one there: "
-                                   f"fabriclab cluster worker") from None
-                time.sleep(1)
+    def popen(self, host: str, args: list[str], marker: str, kind: str, **kw):
+        """A process in `host`, which must be on this machine: on the others a worker
+        starts GPU agents only (start_agent)."""
+        machine = self.partition.placement[host]
+        if machine != 0:
+            raise LabError(f"{host} is on machine {machine}, where only GPU agents run "
+                           f"(not {' '.join(args[:3])})")
+        return self.head.popen(host, args, marker, kind, **kw)
 
     def machine_of_port(self, intf: str) -> int:
         """The machine whose switch has this port ("fl-lf0-eth2")."""
         return self.partition.placement[interface_port(intf)[0]]
 
-    def verify(self, tries: int = 3) -> verify.Reachability:
-        """Every pair of the whole fabric, probed from its source's machine."""
+    def verify(self, tries: int = 3, per_host: int | None = None) -> verify.Reachability:
+        """Every pair of the whole fabric (or `per_host` random destinations of each
+        host, the same sample on every machine), probed from its source's machine."""
         with self.lock:
             for channel in self.channels.values():
-                channel.send(op="verify", tries=tries)
-            results = {(r.src, r.dst, r.dst_ip): r for r in _probe_local(self.head, tries)}
+                channel.send(op="verify", tries=tries, per_host=per_host)
+            results = {(r.src, r.dst, r.dst_ip): r
+                       for r in _probe_local(self.head, tries, per_host)}
             for channel in self.channels.values():
                 reply = self._answer(channel, "could not probe", VERIFY_TIMEOUT_S)
                 results.update({(r.src, r.dst, r.dst_ip): r
                                 for r in _pair_results(reply["results"])})
-        pairs = verify.pairs_to_probe(self.partition.fabric)
+        pairs = verify.planned(self.partition.fabric, per_host)
         return verify.Reachability(pairs, [results.get((p.src, p.dst, p.dst_ip),
                                                        PairResult(p.src, p.dst, p.dst_ip))
                                            for p in pairs])
@@ -751,13 +589,13 @@ class Cluster:
         try:
             if self.session is not None and self.session.net.controller is not None:
                 self.session.net.controller.stop()   # first: links going down would reroute
-            for channel in self.channels.values():
+            for m, connection in self.connections.items():
                 try:
-                    channel.ask(STOP_TIMEOUT_S, op="stop")
+                    connection.channel.ask(STOP_TIMEOUT_S, op="stop")
                 except (LabError, OSError) as e:
-                    log.warning(f"{channel.peer} did not take its part down cleanly ({e})")
-                channel.close()
-            self.channels = {}
+                    log.warning(f"{connection.peer} did not take its part down cleanly ({e})")
+                connection.close(STOP_TIMEOUT_S)
+            self.connections, self.channels = {}, {}
         finally:
             try:
                 if self.session is not None:

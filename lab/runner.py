@@ -27,7 +27,7 @@ from typing import Any
 
 from lab import experiments as experiments_pkg
 from lab import results
-from lab.cluster import CONNECT_TIMEOUT_S, WORKER_PORT, Cluster, ClusterCaptures
+from lab.cluster import Cluster, ClusterCaptures
 from lab.core.errors import LabError, UsageError
 from lab.experiments import base as experiment
 from lab.experiments.base import RunContext
@@ -37,6 +37,7 @@ from lab.fabric.capture import resolve as capture_resolve
 from lab.fabric.telemetry import QueueTelemetry, render
 from lab.kernel.queues import QueueParams
 from lab.session import Session
+from lab.ssh import Reach
 from traffic.samples import WIRESHARK_LUA
 from topologies.params import ParamError, key_value, parse_value
 from topologies.partition import split
@@ -193,14 +194,14 @@ def run(name: str, settings: list[str], out: Path | None = None,
         live: bool = False, controller_runtime: str = "os-ken",
         capture_mb: float = 20.0, capture_snaplen: int = 0,
         use_dataplane: bool = True, machines: list[str] | None = None,
-        worker_port: int = WORKER_PORT,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[Path, dict]:
+        reach: Reach = Reach()) -> tuple[Path, dict]:
     """capture: switch ports to record (lab/fabric/capture.py), each up to capture_mb, or
     ["auto"]: the ports the experiment finds worth it (its capture_plan), capture_mb in
     all; live: print the hottest queues every second while the experiment runs;
     use_dataplane False: ECN and PFC by the controller's sampling, as where BPF cannot run;
-    machines: the fabric over these machines (this one first, a `fabriclab cluster
-    worker` on each other: lab/cluster.py), every result gathered here."""
+    machines: the fabric over these machines (this one first, then each other's ssh
+    target, where the head starts a worker: lab/cluster.py), every result gathered here;
+    reach: how ssh reaches them (lab/ssh.py)."""
     t0 = time.monotonic()
     mod = load(name)
     if machines and not experiment.across_machines(mod):
@@ -245,7 +246,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
     network = {"telemetry": True, "queue_params": queue_params, "machine_factor": factor,
                "controller_runtime": controller_runtime, "use_dataplane": use_dataplane}
     label = f"fabriclab run {name}"
-    with (Cluster(topo, machines, workdir, worker_port, connect_timeout_s, label=label,
+    with (Cluster(topo, machines, workdir, reach, label=label,
                   **network) if machines
           else Session(topo, label, workdir, **network)) as session:
         # an experiment drives a FabricNetwork, or a Cluster of them (the same interface)
@@ -253,7 +254,7 @@ def run(name: str, settings: list[str], out: Path | None = None,
         telemetry = session.telemetry
         config.update(results.fabric_facts(net))
         if machines:
-            config["machines"] = {"addresses": machines,
+            config["machines"] = {"addresses": session.addresses,
                                   "placement": session.partition.placement,
                                   "clock_offsets_ms": {m: round(o * 1e3, 3) for m, o in
                                                        session.clock_offsets_s.items()}}

@@ -1,8 +1,11 @@
 """A fabric across machines, on this machine: what can be checked without a second
 one (the two-VM test is tests/cluster)."""
+import json
 import os
-import socket
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import FABRICLAB, REPO, fabriclab
@@ -11,43 +14,131 @@ from lab.core.errors import LabError
 from lab.vm.machine import check_memory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# stands in for ssh where no second machine is: runs the remote command here, as ssh
+# would run it there (the options and the target are ssh's business)
+LOCAL_SSH = f"{sys.executable} {REPO}/tests/local_ssh.py"
 
 
-def test_no_worker_is_said_plainly():
-    port = _free_port()
-    r = fabriclab("verify", "--machines", "127.0.0.1,127.0.0.2", "--worker-port", str(port),
-                  "--wait", "1", timeout=60)
-    assert r.returncode == 1
-    assert f"no cluster worker at 127.0.0.2:{port} within 1 s" in r.stderr, r.stderr
-    assert "fabriclab cluster worker" in r.stderr, r.stderr
+def test_an_unreachable_machine_is_said_plainly():
+    """No ssh server at the address: the head keeps trying for --wait S, then says which
+    machine, what ssh said, and how to wait longer."""
+    r = fabriclab("verify", "--machines", "127.0.0.1,root@127.0.0.2", "--wait", "1",
+                  timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "could not start a cluster worker on machine 1 (root@127.0.0.2) over ssh" \
+        in r.stderr, r.stderr
+    assert "Connection refused" in r.stderr and "--wait" in r.stderr, r.stderr
 
 
 def test_the_userspace_datapath_is_refused_before_building_and_the_worker_lets_go():
     """On OVS's userspace datapath (forced here, as on this CI machine) the head says it
     cannot tunnel and what to use instead, before it builds anything; the worker, seeing
-    the head gone, exits by itself (--once), and nothing of the lab is left."""
-    port = _free_port()
+    the head gone (its stdin ends), exits by itself, and nothing of the lab is left."""
     env = {**os.environ, "FABRICLAB_DATAPATH": "user"}
-    worker = subprocess.Popen(FABRICLAB + ["cluster", "worker", "--once", "--listen",
-                                           "127.0.0.1", "--port", str(port)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
+    r = fabriclab("verify", "--machines", "127.0.0.1,root@127.0.0.1", "--ssh", LOCAL_SSH,
+                  timeout=120, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "needs OVS's kernel datapath" in r.stderr and "lab VM" in r.stderr, r.stderr
+    assert "building" not in r.stdout + r.stderr
+    # the worker's log reaches the head through ssh, under its machine's name
+    assert re.search(r"\[machine 1\] .*the part is down", r.stdout), r.stdout
+
+
+def _worker() -> subprocess.Popen:
+    """A worker as ssh starts one: its stdin and stdout pipes; its hello read."""
+    worker = subprocess.Popen(FABRICLAB + ["cluster", "worker"], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    hello = json.loads(worker.stdout.readline())
+    assert hello["ok"] and hello["worker"] and hello["pid"] == worker.pid, hello
+    return worker
+
+
+def _sockets(pid: int) -> set[str]:
+    """The inodes of the sockets process `pid` has open."""
+    fds = Path(f"/proc/{pid}/fd")
+    return {os.readlink(fd)[len("socket:["):-1] for fd in fds.iterdir()
+            if os.readlink(fd).startswith("socket:[")}
+
+
+def _listening(inodes: set[str]) -> list[str]:
+    """Which of these sockets listen: TCP in state LISTEN, UDP bound, or a listening
+    Unix socket (/proc/net: the inode is the 10th field, 7th for Unix sockets)."""
+    found = []
+    for proto in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6"):
+        for line in Path(f"/proc/net/{proto}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes and (proto.startswith(("udp", "raw")) or f[3] == "0A"):
+                found.append(f"{proto} {f[1]}")
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[6] in inodes and int(f[3], 16) & 0x10000:       # __SO_ACCEPTCON
+            found.append(f"unix {f[7:] or ''}")
+    return found
+
+
+def test_a_worker_listens_on_nothing_and_starts_nothing_but_the_lab_s_agent():
+    """A worker speaks on its stdin and stdout only: it has no listening socket. Asked
+    to start a process, it refuses anything but a GPU agent's arguments (a forged
+    `-c CODE` is refused before anything runs, and so is a request whose fields are
+    wrong), and an agent only in a host of a part it has up: nothing is started."""
+    marker = Path(f"/tmp/fabriclab-forged-{os.getpid()}")
+    worker = _worker()
     try:
-        r = fabriclab("verify", "--machines", "127.0.0.1,127.0.0.1",
-                      "--worker-port", str(port), timeout=120, env=env)
-        assert r.returncode == 1, r.stdout + r.stderr
-        assert "needs OVS's kernel datapath" in r.stderr and "lab VM" in r.stderr, r.stderr
-        assert "building" not in r.stdout + r.stderr
-        out, _ = worker.communicate(timeout=60)
-        assert worker.returncode == 0 and "the part is down" in out, out
+        assert _listening(_sockets(worker.pid)) == []
+
+        def ask(**msg) -> dict:
+            worker.stdin.write(json.dumps(msg).encode() + b"\n")
+            worker.stdin.flush()
+            return json.loads(worker.stdout.readline())
+        forged = ask(op="attach", host="g0", stream=1,
+                     args=["-c", f"open({str(marker)!r}, 'w')"])
+        assert not forged["ok"] and "not a GPU agent's arguments" in forged["error"], forged
+        assert not ask(op="attach", host="g0", stream=2, args="-c x")["ok"]
+        agent = ["--intf", "g0-eth0", "--mac", "02:00:00:00:00:01", "--ip", "10.0.0.1",
+                 "--rate-mbps", "10"]
+        no_part = ask(op="attach", host="g0", stream=3, args=agent)
+        assert not no_part["ok"] and "no part up" in no_part["error"], no_part
+        odd = ask(op="attach", host="g0", args=agent, stream=4, argv=["/bin/sh"])
+        assert not odd["ok"], odd
+        assert not ask(op="popen", args=["/bin/sh"])["ok"]
+        children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text()
+        assert children.strip() == "", children
+        assert _listening(_sockets(worker.pid)) == []
+        worker.stdin.close()                 # the head is gone: the worker ends
+        assert worker.wait(timeout=60) == 0
+        assert "the part is down" in worker.stderr.read().decode()
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+    assert not marker.exists()
+
+
+def test_a_worker_started_from_a_terminal_says_how_it_is_started():
+    import pty
+    leader, follower = pty.openpty()
+    r = subprocess.run(FABRICLAB + ["cluster", "worker"], cwd=REPO, stdin=follower,
+                       capture_output=True, text=True, timeout=60)
+    os.close(leader)
+    os.close(follower)
+    assert r.returncode == 2 and "over ssh" in r.stderr and "--machines" in r.stderr, r.stderr
+
+
+def test_ssh_reaches_a_worker_as_the_user_with_the_controller_forwarded():
+    """The command the head runs: the user's ssh, never prompting, the head's controller
+    port forwarded to the other machine's loopback only, root's worker there (sudo
+    unless the target is root@), the fabriclab of the same path."""
+    from lab.ssh import Reach, address
+    argv = Reach(ssh="ssh -p 2222", remote_fabriclab="/opt/f/bin/fabriclab").argv(
+        "alice@10.0.0.2", 6633)
+    assert argv[:3] == ["ssh", "-p", "2222"] and "BatchMode=yes" in argv, argv
+    assert argv[argv.index("-R") + 1] == "127.0.0.1:6633:127.0.0.1:6633", argv
+    assert argv[-3:] == ["alice@10.0.0.2", "--",
+                         "sudo -n /opt/f/bin/fabriclab cluster worker"], argv
+    assert Reach().argv("root@h", 1)[-1] == \
+        f"{Path(sys.executable).parent / 'fabriclab'} cluster worker"
+    assert address("alice@10.0.0.2") == address("10.0.0.2") == "10.0.0.2"
 
 
 def test_queue_settings_reach_a_worker_as_they_were():

@@ -37,11 +37,17 @@ pytestmark = requires_root
     # characters), which Mininet's unbatched start cut short (the 1024-host build)
     (["--set", "topology=leaf-spine", "--set", "spines=16", "--set", "leaves=2",
       "--set", "hosts-per-leaf=32"], "reachable: 4032/4032 host pairs"),
+    # a sample: 3 random destinations of each of 16 hosts, said before the build
+    (["--set", "topology=leaf-spine", "--set", "spines=2", "--set", "leaves=4",
+      "--set", "hosts-per-leaf=4", "--sample", "3"], "reachable: 48/48 host pairs"),
 ])
 def test_verify_each_topology(args, pairs):
     r = fabriclab("verify", *args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert pairs in r.stdout
+    if "--sample" in args:
+        assert r.stdout.startswith("48 host pairs to probe (3 destinations of each host)"), \
+            r.stdout
     if "topology=rack" in args:
         assert "reachable: 4/4 scale-up pairs (in-rack)" in r.stdout
 
@@ -168,3 +174,15 @@ def test_up_opens_the_mininet_cli():
     out = r.stdout + r.stderr   # Mininet's CLI writes through its logger, to stderr
     assert r.returncode == 0, out
     assert "1 received" in out and "Results: 0% dropped (2/2 received)" in out
+
+
+def test_a_verify_says_how_long_all_pairs_take_and_offers_a_sample():
+    """Said before anything is built: at 1024 hosts all pairs are a million probes."""
+    from lab.fabric import verify
+    many = [verify.ProbePair("g0", "g1", "10.0.0.2", "scale-out", 3)] * 1_047_552
+    said = verify.announce(many, None)
+    assert said.startswith("1047552 host pairs to probe (all): at least 210 s"), said
+    assert "--sample 64" in said, said
+    assert "--sample" not in verify.announce(many[:65536], 64)
+    r = fabriclab("verify", "--sample", "0")
+    assert r.returncode == 2 and "--sample must be at least 1" in r.stderr, r.stderr

@@ -371,8 +371,9 @@ class Agent:
                 self.emit(event="error", id=cmd.get("id"), error=f"{type(e).__name__}: {e}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    """An agent's command line (a cluster's worker checks a head's request with it)."""
+    ap = argparse.ArgumentParser(prog="traffic.agent")
     ap.add_argument("--intf", required=True)
     ap.add_argument("--mac", required=True)
     ap.add_argument("--ip", required=True)
@@ -383,7 +384,11 @@ def main() -> None:
     ap.add_argument("--plane", nargs=4, action="append", default=[],
                     metavar=("INTF", "MAC", "IP", "RATE_MBPS"),
                     help="the scale-out NIC's port on the next plane (multi-plane fabrics)")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     nics = {"scale-out": (a.intf, a.mac, a.ip, a.rate_mbps)}
     if a.up:
         nics["scale-up"] = (a.up[0], a.up[1], a.up[2], float(a.up[3]))

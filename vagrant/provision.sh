@@ -37,6 +37,8 @@ PACKAGES=(
     mininet openvswitch-switch iperf3 libiperf0
     tshark tcpdump ethtool iputils-ping net-tools bridge-utils
     iproute2 nftables procps psmisc
+    # a fabric across machines: the head starts each machine's worker over ssh
+    openssh-client
     # the README's commands are make targets: a Vagrant guest is provisioned by Vagrant,
     # not by make, and a minimal image (the lab VM's, a bare box) may lack it
     make

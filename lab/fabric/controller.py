@@ -33,11 +33,10 @@ class Controller:
     """The controller apps (controllers/) for one fabric, on os-ken or on Ryu."""
 
     def __init__(self, fabric: Fabric, workdir: Path, runtime: str = "os-ken",
-                 listen_ip: str = "127.0.0.1", local_fabric: Fabric | None = None,
-                 apps: list[str] | None = None):
-        """listen_ip: loopback, or the address the machines of a cluster reach this
-        one at (lab/cluster.py): every machine's switches connect to this controller.
-        local_fabric: a fabric across machines: this machine's part, whose ECN and PFC
+                 local_fabric: Fabric | None = None, apps: list[str] | None = None,
+                 port: int | None = None):
+        """It listens on loopback, on `port` (default: a free one); the other machines of
+        a cluster reach it through ssh (lab/ssh.py). local_fabric: a fabric across machines: this machine's part, whose ECN and PFC
         the congestion app handles (each machine runs its own: its queues, its data
         path); apps: which of controllers/ (default: the router and the congestion app;
         another machine of a cluster runs the congestion app alone)."""
@@ -47,8 +46,8 @@ class Controller:
         self.runtime = runtime
         self.fabric = fabric
         self.workdir = Path(workdir)
-        self.listen_ip = listen_ip
-        self.port = free_port(listen_ip)
+        self.listen_ip = "127.0.0.1"
+        self.port = port or free_port(self.listen_ip)
         self.fabric_file = self.workdir / "fabric.json"
         self.local_fabric = local_fabric
         self.local_fabric_file = self.workdir / "fabric-local.json"

@@ -121,7 +121,8 @@ class MachinePart:
     machine: int
     addresses: dict[int, str]     # machine -> its address on the network between them
     controller: tuple[str, int] | None    # (address, port) of the controller; None: it
-                                          # runs here, on this machine's address
+                                          # runs here, on loopback, on controller_port
+    controller_port: int | None = None    # (the other machines reach it through ssh)
 
     @property
     def crossings(self):
@@ -197,13 +198,13 @@ class FabricNetwork:
         if self.part is None or self.part.controller is None:
             # the controller programs the whole fabric, every machine's switches; its
             # congestion app handles this machine's
-            full, listen = (self.fabric, "127.0.0.1") if self.part is None else \
-                (self.part.partition.fabric, self.part.addresses[self.part.machine])
-            self.controller = Controller(full, self.workdir, self.controller_runtime, listen,
+            full, port = (self.fabric, None) if self.part is None else \
+                (self.part.partition.fabric, self.part.controller_port)
+            self.controller = Controller(full, self.workdir, self.controller_runtime,
                                          local_fabric=None if self.part is None else
-                                         self.fabric)
+                                         self.fabric, port=port)
             self.controller.launch()
-            controller_ip, controller_port = listen, self.controller.port
+            controller_ip, controller_port = "127.0.0.1", self.controller.port
         else:
             # the head's controller programs these switches; ECN and PFC are this
             # machine's own: its congestion app, on its queues and data path

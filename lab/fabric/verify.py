@@ -17,6 +17,8 @@ MAX_TRIES = 10     # probe rounds while a round still gains answers (lab/kernel/
 # 3 rounds, 9.4 s; 5k/s: all in one round, 13.3 s. 1024 hosts, 64 sampled per host:
 # 20k/s 7 rounds, 23.5 s; 10k/s 4 rounds, 19.6 s; 5k/s one round, 16.5 s.
 RATE_PPS = 5000
+SUGGEST_SAMPLE_PAIRS = 100_000    # above this many pairs (~20 s) a verify suggests --sample
+SAMPLE_PER_HOST = 64              # what it suggests (bench/scale.py samples as many)
 
 
 @dataclass
@@ -95,13 +97,31 @@ def sample(pairs: list[ProbePair], per_host: int, seed: int = 1) -> list[ProbePa
              else by_src[src])]
 
 
+def planned(fabric: Fabric, per_host: int | None = None) -> list[ProbePair]:
+    """The pairs a verify probes: every pair, or `per_host` random destinations of each
+    host (sample(): the same on every machine of a cluster)."""
+    pairs = pairs_to_probe(fabric)
+    return pairs if per_host is None else sample(pairs, per_host)
+
+
+def announce(pairs: list[ProbePair], per_host: int | None) -> str:
+    """What a verify is about to do and its least time, said before the fabric is built:
+    at 1024 hosts all pairs are a million probes (~4 min at RATE_PPS, more where the
+    switches' slow paths drop first contacts and rounds repeat)."""
+    what = f"{len(pairs)} host pairs to probe" + \
+        (f" ({per_host} destinations of each host)" if per_host is not None else " (all)")
+    out = f"{what}: at least {len(pairs) / RATE_PPS:.0f} s at {RATE_PPS} probes/s"
+    if per_host is None and len(pairs) > SUGGEST_SAMPLE_PAIRS:
+        out += f"; --sample {SAMPLE_PER_HOST} probes {SAMPLE_PER_HOST} random destinations " \
+               f"of each host instead"
+    return out
+
+
 def measure(fabric: Fabric, host_pids: dict[str, int], tries: int = 3,
             per_host: int | None = None, sources: set[str] | None = None) -> Reachability:
-    """Every pair, or `per_host` random destinations of each host (sample()); only those
-    from `sources` if given (a cluster's machine probes from its own hosts)."""
-    pairs = pairs_to_probe(fabric)
-    if per_host is not None:
-        pairs = sample(pairs, per_host)
+    """The planned pairs (planned()); only those from `sources` if given (a cluster's
+    machine probes from its own hosts)."""
+    pairs = planned(fabric, per_host)
     if sources is not None:
         pairs = [p for p in pairs if p.src in sources]
     results = probe([(p.src, p.dst, p.dst_ip) for p in pairs], host_pids, tries=tries,

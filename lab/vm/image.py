@@ -43,6 +43,9 @@ BUILD_FORMAT = 1
 BUILD_CODE = ["lab/vm/image.py", "lab/vm/cpio.py", "lab/vm/guest/initrd-init"]
 # On top of minbase and what provision.sh installs: what the guest init needs.
 IMAGE_PACKAGES = ["kmod", "iproute2", "procps", "ca-certificates"]
+# Installed after provision.sh, in its chroot (where no service starts): an ssh server,
+# through which the cluster tier's head starts the other lab VM's worker.
+SERVICE_PACKAGES = ["openssh-server"]
 # Modules the initramfs loads to reach the disk and the shared tree (deps added).
 INITRD_MODULES = ["virtio_pci", "virtio_blk", "ext4", "9pnet_virtio", "9p"]
 KEEP_IMAGES = 2
@@ -395,6 +398,7 @@ def _provision(root: Path, p: Progress) -> None:
            "HOME": "/root", "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive",
            "FABRICLAB_VENV": VENV_IN_VM, "FABRICLAB_DATAPATH": "user",
            "FABRICLAB_SUITE_TOOLS": "0", **cfg.env}
+    envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
     binds = "".join(f"mkdir -p '{root}{d}' && mount --bind -o ro '{d}' '{root}{d}'\n"
                     for d in cfg.dirs)
     # A private mount namespace (the mounts vanish with it) and a PID namespace: the
@@ -403,8 +407,9 @@ def _provision(root: Path, p: Progress) -> None:
 mount -t proc proc '{root}/proc'
 mount -t sysfs sys '{root}/sys'
 mount --rbind /dev '{root}/dev'
-{binds}exec chroot '{root}' /usr/bin/env -i {' '.join(shlex.quote(f"{k}={v}") for k, v in env.items())} \
-    bash {TREE_IN_VM}/vagrant/provision.sh {TREE_IN_VM}
+{binds}chroot '{root}' /usr/bin/env -i {envs} bash {TREE_IN_VM}/vagrant/provision.sh {TREE_IN_VM}
+chroot '{root}' /usr/bin/env -i {envs} apt-get install -y -q --no-install-recommends \
+    {' '.join(SERVICE_PACKAGES)}
 """
     try:
         p.run(["unshare", "--pid", "--fork", "--kill-child", "--mount", "--propagation",

@@ -9,12 +9,15 @@ outlives the other, stops.
 """
 from __future__ import annotations
 
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lab.core.errors import LabError
 from lab.vm.image import REPO
@@ -118,3 +121,48 @@ def run(head: str, worker: str, timeout_min: float = 30, echo=print) -> tuple[Ou
         for t in threads:
             t.join(timeout=5)
     return outcomes
+
+
+# --- the head reaches machine 1 over ssh, as on real machines (lab/ssh.py) ----------------
+KEYS_DIR = "results/.cluster-ssh"       # in the shared tree (results/ is never committed)
+DONE_FILE = "/run/fabriclab-head-done"  # on machine 1: the head is done, power off
+
+
+def target(machine: int) -> str:
+    """How the head names a machine of the pair: root, who runs the lab in a lab VM."""
+    return f"root@{address(machine)}"
+
+
+def _keys() -> Path:
+    """A fresh key pair for the head and a host key for machine 1's ssh server, made on
+    the host for this run (both VMs see them in the shared tree)."""
+    keys = REPO / KEYS_DIR
+    shutil.rmtree(keys, ignore_errors=True)
+    keys.mkdir(parents=True)
+    for name in ("head", "host"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C",
+                        f"fabriclab lab VM pair {name}", "-f", str(keys / name)], check=True)
+    return keys
+
+
+def run_cluster(head: str, timeout_min: float = 30, echo=print) -> tuple[Outcome, Outcome]:
+    """Machine 1 runs an ssh server that lets in the head's key (its own host key known
+    to the head) until the head is done; machine 0 runs `head`, which reaches machine 1
+    as `target(1)`, and then tells machine 1 to power off. Both outcomes (pair.run)."""
+    keys = _keys()
+    sshd = (f"install -d -m 700 /root/.ssh /run/sshd && "
+            f"install -m 600 {KEYS_DIR}/head.pub /root/.ssh/authorized_keys && "
+            f"install -m 600 {KEYS_DIR}/host /run/ssh_host_key && "
+            f"/usr/sbin/sshd -h /run/ssh_host_key -o UsePAM=no "
+            f"-o PermitRootLogin=prohibit-password && "
+            f"while [ ! -e {DONE_FILE} ]; do sleep 1; done")
+    known = f"{address(1)} {' '.join((keys / 'host.pub').read_text().split()[:2])}"
+    client = (f"install -d -m 700 /root/.ssh && "
+              f"install -m 600 {KEYS_DIR}/head /root/.ssh/id_ed25519 && "
+              f"echo {shlex.quote(known)} > /root/.ssh/known_hosts")
+    try:
+        return run(f"{client} && {{ {head}; }}; rc=$?; "
+                   f"ssh -o BatchMode=yes {target(1)} touch {DONE_FILE}; exit $rc",
+                   sshd, timeout_min, echo)
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)

@@ -4,7 +4,7 @@ lossless (PFC, no ECN), every sender on the other machine than the receiver. Pri
 line `RESULT <json>`: each flow's delivery and its transport's counters, and every
 machine's congestion counters (which the test holds against each other).
 
-    python3 tests/cluster/pfc_incast.py HEAD_ADDR,WORKER_ADDR
+    python3 tests/cluster/pfc_incast.py HEAD_ADDR,root@WORKER_ADDR
 """
 import json
 import sys
@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.cluster import Cluster  # noqa: E402
+from lab.core.errors import LabError  # noqa: E402
 from lab.experiments.common import rc_params  # noqa: E402
 from lab.fabric.congestion import CongestionParams  # noqa: E402
 from lab.fabric.gpus import GpuAgents  # noqa: E402
@@ -32,12 +33,30 @@ RESPONSE_MS = 60.0
 BUFFER_KB = 192
 
 
+def refusals(cluster: Cluster) -> list[str | None]:
+    """What machine 1's worker, its part up, answers requests to start what is not a GPU
+    agent of its own hosts: code to run (`-c`), and an agent in a host of machine 0.
+    None: it was started."""
+    agent = ["--intf", "g0-eth0", "--mac", "02:00:00:00:00:01", "--ip", "10.0.0.1",
+             "--rate-mbps", "2"]
+    said = []
+    for host, args in (("g4", ["-c", "open('/tmp/forged', 'w')"]), ("g0", agent)):
+        try:
+            with cluster.lock:
+                cluster.channels[1].ask(60, op="attach", host=host, args=args, stream=10**6)
+            said.append(None)
+        except LabError as e:
+            said.append(str(e))
+    return said
+
+
 def main(machines: list[str]) -> None:
     topo = build_topo("leaf-spine", spines=2, leaves=4, hosts_per_leaf=2,
                       host_rate_mbps=RATE_MBPS, fabric_rate_mbps=RATE_MBPS)
     with Cluster(topo, machines, telemetry=True,
                  queue_params=QueueParams(buffer_kb=BUFFER_KB)) as cluster:
         where = {h: cluster.partition.placement[h] for h in [RECEIVER, *SENDERS]}
+        forged = refusals(cluster)
         mode = cluster.set_congestion(CongestionParams(ecn="off", pfc=True,
                                                        pfc_response_ms=RESPONSE_MS))
         agents = GpuAgents(cluster, hosts=[RECEIVER, *SENDERS])
@@ -52,7 +71,7 @@ def main(machines: list[str]) -> None:
         crossings = [{"a": c.link.a, "a_port": c.link.a_port, "b": c.link.b,
                       "b_port": c.link.b_port} for c in cluster.partition.crossings]
     print("RESULT " + json.dumps({
-        "ecn": mode, "placement": where, "crossings": crossings,
+        "ecn": mode, "placement": where, "forged": forged, "crossings": crossings,
         "flows": [{"src": f["src"], "completion_s": f["completion_s"], "intact": f["intact"],
                    "retransmitted": f["counters"]["retransmitted"],
                    "timeouts": f["counters"]["timeouts"],

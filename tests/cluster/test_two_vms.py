@@ -17,7 +17,7 @@ from traffic import pause
 from traffic.constants import PRIORITY_ROCE_DATA
 
 pytestmark = pytest.mark.cluster
-MACHINES = f"{pair.address(0)},{pair.address(1)}"
+MACHINES = f"{pair.address(0)},{pair.target(1)}"
 # "required" (CI, .ci/run): a host without room for two lab VMs fails the tier instead of
 # skipping it
 REQUIRED_ENV = "FABRICLAB_CLUSTER_TIER"
@@ -35,7 +35,7 @@ def room_for_two_lab_vms():
 
 
 def test_every_pair_reachable_and_an_allreduce_ring_across_two_lab_vms():
-    """Two heads in turn, one worker serving each (--once, twice):
+    """Two heads in turn, each starting its worker on machine 1 over ssh:
     1. verify: 4 leaves of 2 GPUs and 2 spines, each machine a spine and two leaves with
        their GPUs, so every path between the halves crosses the tunnel: every one of
        the 56 pairs answers, over a shortest path (the verify warns of any longer one).
@@ -43,13 +43,12 @@ def test_every_pair_reachable_and_an_allreduce_ring_across_two_lab_vms():
        the ring g0 g1 g2 g3 crosses between the machines twice; the GPU agents of
        machine 1 run there, driven by the head through the worker; every host holds
        0.75, the numpy mean.
-    Both machines take their parts down and exit 0."""
-    head, worker = pair.run(
+    Both machines take their parts down (machine 1's log reaches the head through
+    ssh) and exit 0."""
+    head, worker = pair.run_cluster(
         f"fabriclab verify --machines {MACHINES} --set spines=2 --set leaves=4 "
         f"--set hosts_per_leaf=2 && fabriclab allreduce --machines {MACHINES} "
-        f"--values 0.7,0.9,0.6,0.8",
-        "fabriclab cluster worker --once && fabriclab cluster worker --once",
-        timeout_min=20, echo=None)
+        f"--values 0.7,0.9,0.6,0.8", timeout_min=20, echo=None)
     out = "\n".join(head.lines)
     assert head.exit_code == 0, out
     assert "reachable: 56/56 host pairs" in out, out
@@ -59,7 +58,8 @@ def test_every_pair_reachable_and_an_allreduce_ring_across_two_lab_vms():
         assert re.search(rf"^\s*{host}: {value} -> 0\.75$", out, re.M), out
     assert "every host agrees with the numpy mean" in out, out
     assert worker.exit_code == 0, "\n".join(worker.lines)
-    assert sum("the part is down" in ln for ln in worker.lines) == 2, "\n".join(worker.lines)
+    assert sum(re.search(r"\[machine 1\] .*the part is down", ln) is not None
+               for ln in head.lines) == 2, out
 
 
 def test_an_incast_with_pfc_frames_crossing_the_tunnel():
@@ -72,8 +72,8 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
     and in order (no NAK, no resend), no queue drop, none lost in the tunnel; and for
     every crossing link the PFC frames one end sent are the frames the other end
     received, on the other machine."""
-    head, worker = pair.run(f"python3 tests/cluster/pfc_incast.py {MACHINES}",
-                            "fabriclab cluster worker --once", timeout_min=20, echo=None)
+    head, worker = pair.run_cluster(f"python3 tests/cluster/pfc_incast.py {MACHINES}",
+                                    timeout_min=20, echo=None)
     out = "\n".join(head.lines)
     print(out)          # (shown when the test fails)
     assert head.exit_code == 0, out
@@ -81,6 +81,10 @@ def test_an_incast_with_pfc_frames_crossing_the_tunnel():
     assert found, out
     result = json.loads(found.group(1))
     assert result["placement"] == {"g0": 0, "g4": 1, "g5": 1, "g6": 1, "g7": 1}, out
+    # machine 1's worker, its part up, starts nothing but an agent in a host of its own
+    code, elsewhere = result["forged"]
+    assert code and "not a GPU agent's arguments" in code, result["forged"]
+    assert elsewhere and "g0 is not a host of this machine's part" in elsewhere, result["forged"]
     flows = result["flows"]
     assert len(flows) == 4 and all(f["completion_s"] is not None and f["intact"]
                                    for f in flows), flows
@@ -130,11 +134,10 @@ def test_fabriclab_run_incast_across_two_machines_gathers_its_results_on_the_hea
     shutil.rmtree(REPO / out, ignore_errors=True)
     settings = ("spines=2 leaves=4 hosts_per_leaf=2 host_rate_mbps=2 fabric_rate_mbps=2 "
                 "senders=7 variants=pfc pfc_flow_kb=200 pfc_response_ms=60 buffer_kb=192").split()
-    head, worker = pair.run(
+    head, worker = pair.run_cluster(
         f"fabriclab run incast --machines {MACHINES} --out {out} "
         + " ".join(f"--set {kv}" for kv in settings)
-        + " --capture fl-lf0,g2,g3,g4,g5,g6,g7", "fabriclab cluster worker --once",
-        timeout_min=25, echo=None)
+        + " --capture fl-lf0,g2,g3,g4,g5,g6,g7", timeout_min=25, echo=None)
     log = "\n".join(head.lines)
     print(log)          # (shown when the test fails)
     try:

@@ -292,9 +292,9 @@ def run(name: str, settings: list[str], out: Path | None = None,
                         f"NICs could not keep up, so timings there are not faithful; lower "
                         f"the link rates (--set host_rate_mbps=...); {remedy}")
         log.warning(warnings[-1])
-    for w in metrics.get("starved", []):    # a mechanism the machine's load defeated
-        warnings.append(w)
-        log.warning(w)
+    for e in metrics.get("starved", []):    # a mechanism the machine's load defeated
+        warnings.append(f"{e['variant']}: {e['why']}")
+        log.warning(warnings[-1])
     result = results.write(workdir, name, config, metrics, claims, warnings, timings, t0)
     return workdir, result
 

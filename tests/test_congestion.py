@@ -440,16 +440,16 @@ def test_datapath_lost_packets_sums_every_datapath(monkeypatch):
 def test_frames_lost_inside_a_switch_name_the_starved_switch():
     """A lossless variant's frames lost inside OVS are the machine's load, and the run
     says so; queue drops and counting slack across a variant's edge (-1) are not."""
-    msgs = starved("pfc", {"fl-lf0:inside": 534, "fl-lf1:inside": -1, "fl-lf0:2:3": 30,
-                           "fl-sp0:inside": 0})
-    assert len(msgs) == 1 and "fl-lf0 lost 534 frames inside" in msgs[0], msgs
-    assert "short of CPU" in msgs[0]
+    found = starved("pfc", {"fl-lf0:inside": 534, "fl-lf1:inside": -1, "fl-lf0:2:3": 30,
+                            "fl-sp0:inside": 0})
+    assert len(found) == 1 and "fl-lf0 lost 534 frames inside" in found[0].why, found
+    assert "short of CPU" in found[0].why and found[0].decides == ("drops",)
 
 
 def test_drops_under_late_pauses_name_the_delay():
     from lab.experiments.incast import late_pauses
     m = {"drops_packets": 16, "headroom": {"response_ms": 1.0, "measured_delivery_ms_max": 11.7}}
-    [msg] = late_pauses("pfc", m)
+    [msg] = (e.why for e in late_pauses("pfc", m))
     assert "16 drops" in msg and "11.7 ms" in msg and "1.0 ms" in msg
     assert late_pauses("pfc", {**m, "drops_packets": 0}) == []
     on_time = {"drops_packets": 3, "headroom": {"response_ms": 1.0,
@@ -458,10 +458,30 @@ def test_drops_under_late_pauses_name_the_delay():
     # the controller's sampling (no BPF data path) decides XOFF late by its gaps too
     sampled = {**on_time, "queues_sampled": True,
                "controller_sampling": {"samples": 5000, "gap_ms_max": 6.4}}
-    [msg] = late_pauses("pfc", sampled)
+    [msg] = (e.why for e in late_pauses("pfc", sampled))
     assert "6.4 ms without a sample" in msg and "0.8 ms to reach" in msg, msg
     assert late_pauses("pfc", {**sampled, "queues_sampled": False}) == []
     assert late_pauses("pfc", {**sampled, "controller_sampling": {"gap_ms_max": 0.1}}) == []
+
+
+def test_drops_from_a_sampling_period_the_run_set_are_the_setting_s_not_the_machine_s():
+    """`--congestion-datapath sampling --set sample_ms=50` with thresholds that leave
+    room for a 1 ms response: the 50 ms between samples is the run's own setting, so
+    its drops are not excused as the machine's load; the run says which setting caused
+    them. The same gaps with a period within the response are the machine's."""
+    from lab.experiments.base import Claim, name_starved
+    from lab.experiments.incast import late_pauses, sampled_too_slowly
+    m = {"drops_packets": 48331, "queues_sampled": True, "sample_period_ms": 50.0,
+         "headroom": {"response_ms": 1.0, "measured_delivery_ms_max": 0.4},
+         "controller_sampling": {"samples": 200, "gap_ms_max": 52.0}}
+    assert late_pauses("pfc", m) == []
+    said = sampled_too_slowly(m)
+    assert "every 50 ms (sample_ms)" in said and "48331 drops" in said, said
+    claim = Claim("pfc: no drops at the bottleneck", False, 48331, "== 0", rests_on=("drops",))
+    metrics = {"starved": [dict(e.__dict__) for e in late_pauses("pfc", m)]}
+    assert name_starved([claim], metrics)[0].starved is None
+    within = {**m, "sample_period_ms": 1.0, "controller_sampling": {"gap_ms_max": 6.4}}
+    assert sampled_too_slowly(within) is None and len(late_pauses("pfc", within)) == 1
 
 
 
@@ -471,8 +491,9 @@ def test_an_rccc_flow_late_by_the_link_time_credit_lost_names_it():
     machine's load, named; a lateness the lost time does not cover is RCCC's own."""
     from lab.experiments.incast import late_credit
     m = {"completion_s_max": 2.6, "ideal_s": 2.1, "credit_unused_ms": 520.0}
-    [msg] = late_credit("rccc", m)
-    assert msg.startswith("rccc: ") and "lost 520 ms" in msg and "395 ms past" in msg, msg
+    [excuse] = late_credit("rccc", m)
+    msg = excuse.why
+    assert excuse.variant == "rccc" and "lost 520 ms" in msg and "395 ms past" in msg, msg
     assert late_credit("rccc", {**m, "credit_unused_ms": 300.0}) == []
     assert late_credit("rccc", {**m, "completion_s_max": 2.2}) == []      # held: nothing
     assert late_credit("rccc", {**m, "completion_s_max": None}) == []
@@ -618,7 +639,8 @@ def test_without_bpf_the_controller_samples_and_pfc_holds_for_four_senders(tmp_p
     if m["machine_factor"] < 1 and pfc["drops_packets"]:
         # slower than the reference machine (the lab VM's software CPU: sampling gaps
         # of several ms), a drop is allowed only where the run names the late sampling
-        assert any("without a sample" in w for w in m["metrics"]["starved"]), m["metrics"]
+        assert any("without a sample" in e["why"] for e in m["metrics"]["starved"]), \
+            m["metrics"]
     else:
         assert pfc["drops_packets"] == 0 and pfc["receiver_naks"] == 0
     assert pfc["pause_frames_sent"] > 0 and pfc["drops_elsewhere"] == {}

@@ -41,8 +41,8 @@ def fabricated_incast(workdir: Path) -> dict:
         Claim("every message that arrived is intact, every variant", True,
               {v: True for v in VARIANTS}, "all True"),
         Claim("none: the bottleneck queue overflows (drops > 0)", True, 50, "> 0", "packets"),
-        Claim("pfc: no drops at the bottleneck, pause frames sent", True,
-              {"drops": 0, "pause_frames_sent": 4518}, "drops == 0, pause frames > 0"),
+        Claim("pfc: no drops at the bottleneck, pause frames sent (a claim shown as text)",
+              True, {"drops": 0, "pause_frames_sent": 4518}, "drops == 0, pause frames > 0"),
         Claim("every GPU host holds the mean of the values", True,
               {f"g{i}": 0.75 for i in range(4)}, "0.75 on every host"),
         Claim("ecn: bottleneck backlog p50 between Kmin and Kmax", True, 3246,
@@ -109,22 +109,46 @@ def test_the_report_shows_claims_as_text_and_keeps_the_raw_values(incast_report)
 
 
 def test_a_failed_claim_names_the_machine_load_that_decided_it():
-    """A claim the load decided says so (the run's report and the tour show it): its
-    variant named starved by the experiment, or a timing claim where hosts were
-    CPU-bound. Any other miss is the lab's, and a timing claim's too where no host was."""
-    claims = [Claim("pfc: no drop", False, 3, "0"),
+    """A claim the load decided says so (the run's report and the tour show it): an
+    excuse of its variant that decides what it rests on, or a timing claim where hosts
+    were CPU-bound. Any other miss is the lab's: a claim of the same variant resting on
+    something the excuse does not decide, and a timing claim's where no host was."""
+    claims = [Claim("pfc: no drop", False, 3, "0", rests_on=("drops",)),
               Claim("MRC's stall is shorter", False, "mrc 1 s", "< rc", timing=True),
               Claim("every GPU holds the mean", False, False, "True"),
-              Claim("MRC finishes sooner", True, "mrc 1 s", "< rc", timing=True)]
-    metrics = {"starved": ["pfc: fl-lf0 lost 3 frames inside OVS's user-space datapath"],
+              Claim("MRC finishes sooner", True, "mrc 1 s", "< rc", timing=True),
+              Claim("pfc: pause frames sent", False, 0, "> 0")]
+    metrics = {"starved": [{"variant": "pfc", "decides": ["drops"],
+                            "why": "fl-lf0 lost 3 frames inside OVS's user-space datapath"}],
                "cpu_bound_hosts": ["g0", "g1"]}
     named = name_starved(claims, metrics)
-    assert named[0].starved == metrics["starved"][0]
+    assert named[0].starved == metrics["starved"][0]["why"]
     assert named[1].starved.startswith("hosts g0, g1 were CPU-bound")
     assert named[2].starved is None and named[3].starved is None
+    assert named[4].starved is None      # the same variant, resting on nothing it decides
     assert [readable.verdict(c.__dict__) for c in named] == [
-        "FAIL (machine load)", "FAIL (machine load)", "FAIL", "PASS"]
+        "FAIL (machine load)", "FAIL (machine load)", "FAIL", "PASS", "FAIL"]
     assert name_starved(claims, {"cpu_bound_hosts": []})[1].starved is None
+
+
+def test_trimming_timeouts_excuse_what_was_resent_never_a_drop():
+    """One trimming run on a stalled machine: a retransmit timer fired (so a packet was
+    resent twice) and the queue dropped a frame. The timeouts explain the resends
+    claim, excused; no timer decides whether the queue trimmed or dropped, so that
+    claim fails as the lab's own."""
+    from lab.experiments import trimming
+    v = {"all_intact": True, "drops_packets": 1, "trimmed_packets": 600,
+         "trimmed_received": 600, "trim_nacks_sent": 600, "retransmitted_packets": 602,
+         "timeouts": 2, "receiver_duplicates": 2, "resend_delay_ms_mean": 3.0,
+         "srtt_ms": [2.0, 2.0]}
+    m = {"trim": v, "starved": [e.__dict__ for e in trimming.starved(v)]}
+    named = {c.name: c for c in name_starved(
+        trimming.claims(trimming.Params(variants="trim"), m), m)}
+    resends = named["trim: every trimmed packet is NACKed and resent once, nothing else, "
+                    "no timeout"]
+    drops = named["trim: the bottleneck trims instead of dropping"]
+    assert not resends.passed and "timeouts although every loss was trimmed" in resends.starved
+    assert not drops.passed and drops.starved is None
 
 
 def test_a_background_incast_too_weak_to_drop_names_the_ecn_claim_starved():
@@ -136,11 +160,29 @@ def test_a_background_incast_too_weak_to_drop_names_the_ecn_claim_starved():
                "retransmitted_packets": 0, "timeouts": 0, "naks": 0}
     m = {v: dict(variant) for v in ("clean", "incast", "incast+ecn")}
     m["incast"]["background_load"] = 0.3
-    m["starved"] = training_step.starved(m)
+    m["starved"] = [e.__dict__ for e in training_step.starved(m)]
     params = training_step.Params(variants="clean,incast,incast+ecn")
     [ecn] = [c for c in name_starved(training_step.claims(params, m), m)
              if "ECN" in c.name]
     assert not ecn.passed and "background incast made no switch drop" in ecn.starved
+
+
+def test_ecn_that_only_reduces_the_losses_does_not_remove_them():
+    """The claim says ECN removes the incast's losses: fewer drops are not none (it
+    passed on any reduction before), and no drops where the incast had none is not a
+    removal either."""
+    from lab.experiments import training_step
+    variant = {"idle_fraction_mean": 0.5, "all_correct": True, "retransmitted_packets": 0,
+               "timeouts": 0, "naks": 0}
+    params = training_step.Params(variants="incast,incast+ecn")
+
+    def ecn_claim(incast: int, ecn: int):
+        m = {"incast": {**variant, "switch_drops": incast, "background_load": 0.8},
+             "incast+ecn": {**variant, "switch_drops": ecn}}
+        return next(c for c in training_step.claims(params, m) if "ECN" in c.name)
+    assert ecn_claim(671, 0).passed
+    assert not ecn_claim(671, 12).passed
+    assert not ecn_claim(0, 0).passed
 
 
 def test_the_tour_index_shows_claims_as_text(tour_index):

@@ -40,6 +40,14 @@ from topologies.fabric import Fabric
 REQUIRED = ("NAME", "DESCRIPTION", "Params", "run", "claims")
 
 
+# What a claim's verdict rests on, and what a starved mechanism decides (Excuse): the
+# words both sides use, so that an excuse fits only the claims it can explain.
+DROPS = "drops"                # frames a switch queue dropped
+RESENDS = "resends"            # what a transport resent, its timeouts, its NAKs
+RESEND_DELAY = "resend_delay"  # how long a lost packet waited to be resent
+COMPLETION = "completion"      # when the flows finished
+
+
 @dataclass
 class Claim:
     name: str
@@ -52,25 +60,47 @@ class Claim:
     timing: bool = False
     # Why the machine's load, not the lab, decided this failed claim (name_starved).
     starved: str | None = None
+    # The quantities its verdict rests on (DROPS, RESENDS, ...): an Excuse of its
+    # variant explains a miss only if it decides every one of them. () : none can.
+    rests_on: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Excuse:
+    """The machine's load defeated a mechanism in one variant (the claim names' part
+    before ':'), deciding these quantities: it explains that variant's failed claims
+    that rest on nothing else, and no other claim. In metrics as a dict ("starved")."""
+    variant: str
+    decides: tuple[str, ...]
+    why: str
+
+    def fits(self, claim: Claim) -> bool:
+        return (claim.name.split(":")[0] == self.variant and bool(claim.rests_on)
+                and set(claim.rests_on) <= set(self.decides))
 
 
 def name_starved(claims: list[Claim], metrics: dict) -> list[Claim]:
-    """The claims, each failed one that the machine's load decided saying why: its
-    variant (the name's part before ':') named in metrics' "starved" (a mechanism the
-    load defeated, which the experiment names), or a timing claim in a run whose hosts
-    were CPU-bound. A run on a slow machine holds its claims or names what starved
-    (issue 13, item 5); the claim still counts as failed."""
-    named = {w.split(":")[0]: w for w in metrics.get("starved", [])}
+    """The claims, each failed one that the machine's load decided saying why: an Excuse
+    the experiment found (metrics' "starved") that fits it, or, for a timing claim, a
+    run whose hosts were CPU-bound. A run on a slow machine holds its claims or names
+    what starved (issue 13, item 5); the claim still counts as failed."""
+    excuses = [Excuse(e["variant"], tuple(e["decides"]), e["why"])
+               for e in metrics.get("starved", [])]
     busy = metrics.get("cpu_bound_hosts") or []
     out = []
     for c in claims:
         why = None
         if not c.passed:
-            why = named.get(c.name.split(":")[0]) or (
+            why = next((e.why for e in excuses if e.fits(c)), None) or (
                 f"hosts {', '.join(busy)} were CPU-bound: timings there are not faithful"
                 if c.timing and busy else None)
         out.append(dataclasses.replace(c, starved=why))
     return out
+
+
+def excuses(found: list[Excuse]) -> list[dict]:
+    """Excuses as metrics hold them ("starved")."""
+    return [dataclasses.asdict(e) for e in found]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.experiments.base import DROPS, Excuse
 from lab.fabric.telemetry import INSIDE
 from traffic.constants import DEFAULT_MTU_BYTES, PRIORITY_ROCE_DATA
 from traffic.dcqcn import time_scale_for
@@ -121,7 +122,7 @@ class SwitchDrops:
             self.t0, time.time()).items() if k.endswith(f":{PRIORITY_ROCE_DATA}"))
 
 
-def starved(variant: str, drops: dict[str, int]) -> list[str]:
+def starved(variant: str, drops: dict[str, int]) -> list[Excuse]:
     """What a lossless variant's drops say about the machine: frames a switch took in
     and sent nowhere were lost inside OVS's user-space datapath (its receive rings
     overflowed or its sends failed), which under PFC, with its queues short of their
@@ -129,9 +130,10 @@ def starved(variant: str, drops: dict[str, int]) -> list[str]:
     40 PFC variants on this machine (while a `pip install` ran), 400-530 in 2 of 6
     beside a qemu VM busy on both cores. (Lossy variants lose a few there too, 2-54 per
     `none` run: sends to a port whose queue is at its limit.)"""
-    return [f"{variant}: {key.rpartition(':')[0]} lost {n} frames inside OVS's user-space "
-            f"datapath (taken in, sent nowhere): the switch was short of CPU, so this "
-            f"lossless variant's drops come from the machine's load, not from PFC"
+    return [Excuse(variant, (DROPS,),
+                   f"{key.rpartition(':')[0]} lost {n} frames inside OVS's user-space "
+                   f"datapath (taken in, sent nowhere): the switch was short of CPU, so this "
+                   f"lossless variant's drops come from the machine's load, not from PFC")
             for key, n in sorted(drops.items()) if key.endswith(f":{INSIDE}") and n > 0]
 
 

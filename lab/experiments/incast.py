@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
-from lab.experiments.base import Claim, RunContext
+from lab.experiments.base import COMPLETION, DROPS, Claim, Excuse, RunContext, excuses
 from lab.experiments.common import (FRAME_BYTES, SETTLE_S, drain_quiet_s, idle_rtt_ms,
                                     once_quiet, rate, rc_params, sender_rates, starved,
                                     traffic_timeout_s, tx_bytes)
@@ -307,6 +307,9 @@ def run_variant(ctx: RunContext, gpus: GpuAgents, variant: str, receiver: str,
         "pause_delivery_ms": delivery,
         "controller_sampling": state.get("sampling"),
         "queues_sampled": net.dataplane is None,     # PFC decided by the controller's samples
+        # ...every this often, as this run set it (or the machine's default)
+        "sample_period_ms": p.congestion(variant).sample_period_ms(net.machine_factor)
+        if net.dataplane is None else None,
         "pfc_reaction_ms": state.get("reaction"),   # the run so far
         "headroom": headroom(net, state, recv_if, p, delivery) if "pfc" in variant else None,
         "sender_rates_pps": {s: round(r, 1) for s, r in rates.items()},
@@ -366,15 +369,19 @@ def run(ctx: RunContext) -> dict:
                      f"{m['flows_completed']}/{len(senders)} flows done in "
                      f"{m['elapsed_s']:.1f} s ({m['delivered_fraction']:.0%} of the bytes)")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
-    out["starved"] = [w for v in p.variant_list if p.congestion(v).pfc
-                      for w in starved(v, out[v]["drops_elsewhere"])
-                      + late_pauses(v, out[v])] + [w for v in p.variant_list if "rccc" in v
-                                                   for w in late_credit(v, out[v])]
+    out["starved"] = excuses([e for v in p.variant_list if p.congestion(v).pfc
+                              for e in starved(v, out[v]["drops_elsewhere"])
+                              + late_pauses(v, out[v])]
+                             + [e for v in p.variant_list if "rccc" in v
+                                for e in late_credit(v, out[v])])
+    for v in p.variant_list:
+        if p.congestion(v).pfc and sampled_too_slowly(out[v]):
+            log.warning(f"{v}: {sampled_too_slowly(out[v])}")
     ctx.net.set_congestion(CongestionParams())
     return out
 
 
-def late_credit(variant: str, m: dict) -> list[str]:
+def late_credit(variant: str, m: dict) -> list[Excuse]:
     """An RCCC variant's last flow later than the claim allows by no more than the link
     time its receiver lost while senders were owed credit: the credit it had let out
     (max_outstanding_packets) had not come back, because the hosts' loops answered
@@ -388,34 +395,53 @@ def late_credit(variant: str, m: dict) -> list[str]:
     lost_s = m["credit_unused_ms"] / 1000
     if late_s <= 0 or lost_s < late_s:
         return []
-    return [f"{variant}: its receiver's link lost {lost_s * 1e3:.0f} ms while senders were "
-            f"owed credit: the {RcccParams().max_outstanding_packets} packets of credit it "
-            f"lets out had not come back within the time the link takes to carry them (the "
-            f"hosts answered slower than that); that covers the last flow's {late_s * 1e3:.0f} ms past its ideal time "
-            f"(+{UET_IDEAL_TOLERANCE:.0%}), so it comes from the machine's load, not from RCCC"]
+    return [Excuse(variant, (COMPLETION,),
+                   f"its receiver's link lost {lost_s * 1e3:.0f} ms while senders were owed "
+                   f"credit: the {RcccParams().max_outstanding_packets} packets of credit it "
+                   f"lets out had not come back within the time the link takes to carry them "
+                   f"(the hosts answered slower than that); that covers the last flow's "
+                   f"{late_s * 1e3:.0f} ms past its ideal time (+{UET_IDEAL_TOLERANCE:.0%}), "
+                   f"so it comes from the machine's load, not from RCCC")]
 
 
-def late_pauses(variant: str, m: dict) -> list[str]:
+def sampled_too_slowly(m: dict) -> str | None:
+    """Where the controller samples the queues, XOFF is decided at a sample: a period
+    the run set longer than the response PFC's thresholds leave room for lets the
+    senders overflow them by design. Said, and never taken for the machine's load."""
+    h = m.get("headroom") or {}
+    period = m.get("sample_period_ms")
+    if not m["drops_packets"] or period is None or period <= h.get("response_ms", period):
+        return None
+    return (f"the controller samples the queues every {period:g} ms (sample_ms), longer "
+            f"than the {h['response_ms']:g} ms response PFC's thresholds leave room for: "
+            f"its {m['drops_packets']} drops come from that setting, not from the machine "
+            f"(sample every {h['response_ms']:g} ms or less, or use the BPF data path)")
+
+
+def late_pauses(variant: str, m: dict) -> list[Excuse]:
     """A lossless variant's drops at the bottleneck, when pauses took longer to reach
     their senders than the response its headroom was sized for: the machine's load
     delayed them (the frames a sender sent meanwhile overflowed the headroom). Where
     the controller samples the queues (no BPF data path), XOFF is decided at a sample,
-    so a gap between samples delays it as much as a slow delivery does."""
+    so a gap between samples beyond the period the run set delays it as much as a slow
+    delivery does; a period longer than the response is the run's setting, not the
+    machine (sampled_too_slowly)."""
     h = m.get("headroom") or {}
     delivery = h.get("measured_delivery_ms_max")
     gap = (m.get("controller_sampling") or {}).get("gap_ms_max", 0.0) \
         if m.get("queues_sampled") else 0.0
-    if not m["drops_packets"] or (delivery is None and not gap) \
+    if not m["drops_packets"] or (delivery is None and not gap) or sampled_too_slowly(m) \
             or (delivery or 0.0) + gap <= h.get("response_ms", float("inf")):
         return []
     why = [f"the controller's queue sampling went up to {gap:.1f} ms without a sample "
            f"(this run so far)" if gap else "",
            f"a pause took up to {delivery:.1f} ms to reach its sender"
            if delivery is not None else ""]
-    return [f"{variant}: {m['drops_packets']} drops at the bottleneck: "
-            f"{' and '.join(w for w in why if w)}, the headroom is sized for a "
-            f"{h['response_ms']:.1f} ms response: the machine's load delayed the pauses, "
-            f"so these drops come from the machine, not from PFC"]
+    return [Excuse(variant, (DROPS,),
+                   f"{m['drops_packets']} drops at the bottleneck: "
+                   f"{' and '.join(w for w in why if w)}, the headroom is sized for a "
+                   f"{h['response_ms']:.1f} ms response: the machine's load delayed the "
+                   f"pauses, so these drops come from the machine, not from PFC")]
 
 
 def claims(params: Params, m: dict) -> list[Claim]:
@@ -430,10 +456,13 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          "packets"))
     if "pfc" in m:
         v = m["pfc"]
-        out.append(Claim("pfc: no drops at the bottleneck, pause frames sent",
-                         v["drops_packets"] == 0 and v["pause_frames_sent"] > 0,
-                         {"drops": v["drops_packets"], "pause_frames_sent": v["pause_frames_sent"]},
-                         "drops == 0, pause frames > 0"))
+        out += [Claim("pfc: no drops at the bottleneck", v["drops_packets"] == 0,
+                      v["drops_packets"], "== 0", "packets", rests_on=(DROPS,)),
+                # (no load excuses an absence of pauses: the congestion they answer was
+                # there, or the drops claim of `none` fails too)
+                Claim("pfc: the bottleneck's switch sent pause frames",
+                      v["pause_frames_sent"] > 0, v["pause_frames_sent"], "> 0",
+                      "pause frames")]
     if "ecn" in m:
         v = m["ecn"]
         kmin, kmax = params.kmin_kb * 1024, params.kmax_kb * 1024
@@ -452,7 +481,7 @@ def claims(params: Params, m: dict) -> list[Claim]:
     if "ecn+pfc" in m:
         v = m["ecn+pfc"]
         out.append(Claim("ecn+pfc: no drops at the bottleneck", v["drops_packets"] == 0,
-                         v["drops_packets"], "== 0", "packets"))
+                         v["drops_packets"], "== 0", "packets", rests_on=(DROPS,)))
     for name in (v for v in UET_VARIANTS if v in m):
         v = m[name]
         out += [
@@ -465,7 +494,8 @@ def claims(params: Params, m: dict) -> list[Claim]:
             Claim(f"{name}: the last flow done within {UET_IDEAL_TOLERANCE:.0%} of the "
                   f"port's ideal time", v["completion_vs_ideal"] is not None
                   and v["completion_vs_ideal"] <= 1 + UET_IDEAL_TOLERANCE,
-                  v["completion_vs_ideal"], f"<= {1 + UET_IDEAL_TOLERANCE}", "x ideal"),
+                  v["completion_vs_ideal"], f"<= {1 + UET_IDEAL_TOLERANCE}", "x ideal",
+                  rests_on=(COMPLETION,)),
         ]
         if "rccc" in name:
             cap = RcccParams().max_outstanding_packets * (DEFAULT_MTU_BYTES

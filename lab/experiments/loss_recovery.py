@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
-from lab.experiments.base import Claim, RunContext
+from lab.experiments.base import RESENDS, Claim, Excuse, RunContext, excuses
 from lab.experiments.common import SETTLE_S
 from lab.fabric.capture import CapturePlan
 from lab.fabric.gpus import GpuAgents
@@ -76,11 +76,11 @@ def run(ctx: RunContext) -> dict:
                      f"duplicates), goodput {m['goodput_mbps']:.1f} Mb/s")
             out[transport] = m
         out["cpu_bound_hosts"] = gpus.cpu_bound()
-    out["starved"] = spurious(out["mrc"])
+    out["starved"] = excuses(spurious(out["mrc"]))
     return out
 
 
-def spurious(m: dict) -> list[str]:
+def spurious(m: dict) -> list[Excuse]:
     """MRC packets resent though they had arrived (the receiver counted them twice):
     not the transport's loss recovery at fault but the machine, when the sender's
     timer fired while their SACKs were still on the way (a host stalled past its
@@ -93,9 +93,10 @@ def spurious(m: dict) -> list[str]:
            if m["timeouts"] else
            "packets sent after them were acknowledged first, by more than reorder_packets "
            "(a path or a host that stalled)")
-    return [f"mrc: {dups} of the {m['retransmitted_packets']} packets resent had arrived "
-            f"(the receiver counted them twice): {why}, so the resends beyond the "
-            f"{m['lost_packets']} lost come from the machine's load, not from MRC"]
+    return [Excuse("mrc", (RESENDS,),
+                   f"{dups} of the {m['retransmitted_packets']} packets resent had arrived "
+                   f"(the receiver counted them twice): {why}, so the resends beyond the "
+                   f"{m['lost_packets']} lost come from the machine's load, not from MRC")]
 
 
 def claims(params: Params, m: dict) -> list[Claim]:
@@ -106,10 +107,11 @@ def claims(params: Params, m: dict) -> list[Claim]:
               f"rc {rc['lost_packets']}, mrc {mrc['lost_packets']}", "> 0 each"),
         Claim("both flows arrived intact (CRC-32 end to end)", rc["intact"] and mrc["intact"],
               f"rc {rc['intact']}, mrc {mrc['intact']}", "True, True"),
-        Claim("MRC resends exactly the lost packets",
+        Claim("mrc: resends exactly the lost packets",
               mrc["retransmitted_packets"] == mrc["lost_packets"],
-              mrc["retransmitted_packets"], f"== {mrc['lost_packets']} lost", "packets"),
-        Claim("RC (go-back-N) resends more than it lost",
+              mrc["retransmitted_packets"], f"== {mrc['lost_packets']} lost", "packets",
+              rests_on=(RESENDS,)),
+        Claim("rc: go-back-N resends more than it lost",
               rc["retransmitted_packets"] > rc["lost_packets"],
               rc["retransmitted_packets"], f"> {rc['lost_packets']} lost", "packets"),
     ]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from lab.core.errors import UsageError
-from lab.experiments.base import Claim, RunContext
+from lab.experiments.base import Claim, RunContext, excuses
 from lab.experiments.common import (FRAME_BYTES, SETTLE_S, rc_params,
                                     sender_rates, starved, traffic_timeout_s)
 from lab.fabric.capture import NOT_PLAIN_ROCE_DATA, CapturePlan
@@ -165,7 +165,7 @@ def run(ctx: RunContext) -> dict:
             log.info(f"  victim {m['victim_rate_pps']:.0f} packets/s; pause frames sent "
                      f"by {m['pause_frames_sent_by_switch'] or 'no switch'}")
         out["cpu_bound_hosts"] = gpus.cpu_bound()
-    out["starved"] = starved("pfc", out["pfc"]["drops_packets"])
+    out["starved"] = excuses(starved("pfc", out["pfc"]["drops_packets"]))
     ctx.net.set_congestion(CongestionParams())
     alone = out["alone"]["victim_rate_pps"] or 1.0
     out["victim_rate_vs_alone"] = {v: round(out[v]["victim_rate_pps"] / alone, 3)

@@ -32,7 +32,7 @@ import numpy as np
 
 from lab.core.errors import LabError, UsageError
 from lab.experiments import waits
-from lab.experiments.base import Claim, RunContext
+from lab.experiments.base import DROPS, RESENDS, Claim, Excuse, RunContext, excuses
 from lab.experiments.common import SwitchDrops, rc_params, traffic_timeout_s
 from lab.fabric.congestion import CongestionParams
 from lab.fabric.gpus import GpuAgents
@@ -236,12 +236,12 @@ def run(ctx: RunContext) -> dict:
                  f"{m['allreduce_s_mean'] * 1e3:.0f} ms, GPU idle "
                  f"{m['idle_fraction_mean']:.0%}")
     out["cpu_bound_hosts"] = sorted(cpu_bound)
-    out["starved"] = starved(out)
+    out["starved"] = excuses(starved(out))
     ctx.net.set_congestion(CongestionParams())
     return out
 
 
-def starved(m: dict) -> list[str]:
+def starved(m: dict) -> list[Excuse]:
     """What the machine's load did to the variants, where it shows: packets resent
     though no switch dropped one (a host stalled past its retransmit timer, or its
     receiver saw a gap it then filled), and a background incast too weak to drop."""
@@ -249,17 +249,21 @@ def starved(m: dict) -> list[str]:
     for v in VARIANTS:
         x = m.get(v)
         if x and x["retransmitted_packets"] and not x["switch_drops"]:
-            out.append(f"{v}: {x['retransmitted_packets']} packets resent though no switch "
-                       f"queue dropped one ({x['timeouts']} timeouts, {x['naks']} NAKs): "
-                       f"frames lost or late outside the switches' queues (a stalled host, "
-                       f"a kernel backlog under load), not the fabric's congestion")
+            out.append(Excuse(v, (RESENDS,),
+                              f"{x['retransmitted_packets']} packets resent though no switch "
+                              f"queue dropped one ({x['timeouts']} timeouts, {x['naks']} "
+                              f"NAKs): frames lost or late outside the switches' queues (a "
+                              f"stalled host, a kernel backlog under load), not the fabric's "
+                              f"congestion"))
     x = m.get("incast")
     if x and not x["switch_drops"]:
         # named for the claim it defeats (incast+ecn's: ECN had no losses to remove)
-        out.append(f"incast+ecn: the background incast made no switch drop a frame: its senders "
-                   f"delivered {x['background_load']:.0%} of the GPU's link (asked: "
-                   f"{BACKGROUND_LOAD:.0%} beside the ring's flow), too little to overflow "
-                   f"its port on this machine, so ECN had no losses to remove")
+        out.append(Excuse("incast+ecn", (DROPS,),
+                          f"the background incast made no switch drop a frame: its senders "
+                          f"delivered {x['background_load']:.0%} of the GPU's link (asked: "
+                          f"{BACKGROUND_LOAD:.0%} beside the ring's flow), too little to "
+                          f"overflow its port on this machine, so ECN had no losses to "
+                          f"remove"))
     return out
 
 
@@ -282,10 +286,11 @@ def claims(params: Params, m: dict) -> list[Claim]:
         drops = {v: m[v]["switch_drops"] for v in ("incast", "incast+ecn")}
         retx = {v: m[v]["retransmitted_packets"] for v in ("incast", "incast+ecn")}
         out.append(Claim("incast+ecn: ECN (DCQCN) removes the losses the incast caused",
-                         drops["incast+ecn"] < drops["incast"],
+                         drops["incast"] > 0 and drops["incast+ecn"] == 0,
                          f"switch drops: incast+ecn {drops['incast+ecn']} (retransmitted "
                          f"{retx['incast+ecn']})",
-                         f"< incast {drops['incast']} (retransmitted {retx['incast']})"))
+                         f"== 0, where incast dropped {drops['incast']} > 0 (retransmitted "
+                         f"{retx['incast']})", rests_on=(DROPS,)))
     if "collision" in idle and "spray" in idle:
         out.append(Claim("on the crossing ring, spraying (MRC) idles the GPUs less than RC's "
                          "pinned flows (which collide on a spine in some steps)",

@@ -23,7 +23,8 @@ from statistics import mean
 from dataclasses import dataclass
 
 from lab.core.errors import LabError, UsageError
-from lab.experiments.base import Claim, RunContext
+from lab.experiments.base import (DROPS, RESEND_DELAY, RESENDS, Claim, Excuse, RunContext,
+                                  excuses)
 from lab.experiments.common import SETTLE_S, idle_rtt_ms, traffic_timeout_s
 from lab.fabric.capture import CapturePlan
 from lab.fabric.congestion import CongestionParams
@@ -176,24 +177,27 @@ def run(ctx: RunContext) -> dict:
                          f"after their first sending on average), done in "
                          f"{m['completion_s_max']} s (ideal {m['ideal_s']} s)")
             out["cpu_bound_hosts"] = gpus.cpu_bound()
-        out["starved"] = starved(out["trim"]) if "trim" in out else []
+        out["starved"] = excuses(starved(out["trim"]) if "trim" in out else [])
     finally:
         ctx.net.set_congestion(CongestionParams())
     return out
 
 
-def starved(m: dict) -> list[str]:
+def starved(m: dict) -> list[Excuse]:
     """Timeouts under trimming, where every loss is announced: a sender's timer fired
     while the NACK or the SACKs were on their way, which on this fabric (no other loss)
-    means a host stalled past the timer's margin: the machine, not trimming."""
+    means a host stalled past the timer's margin: the machine, not trimming. A stall
+    decides what was resent and when, never whether the queue trimmed or dropped."""
     if not m["timeouts"]:
         return []
     again = m["trimmed_received"] - m["trim_nacks_sent"]
-    return [f"trim: {m['timeouts']} retransmit timeouts although every loss was trimmed and "
-            f"announced; {m['receiver_duplicates']} resent packets had arrived and {again} "
-            f"trimmed ones were copies of packets that had: the senders' timers fired while "
-            f"the answers were on their way (a host stalled longer than the timer's margin), "
-            f"so this comes from the machine's load, not from trimming"]
+    return [Excuse("trim", (RESENDS, RESEND_DELAY),
+                   f"{m['timeouts']} retransmit timeouts although every loss was trimmed and "
+                   f"announced; {m['receiver_duplicates']} resent packets had arrived and "
+                   f"{again} trimmed ones were copies of packets that had: the senders' "
+                   f"timers fired while the answers were on their way (a host stalled longer "
+                   f"than the timer's margin), so this comes from the machine's load, not "
+                   f"from trimming")]
 
 
 def claims(params: Params, m: dict) -> list[Claim]:
@@ -206,14 +210,14 @@ def claims(params: Params, m: dict) -> list[Claim]:
         out.append(Claim("drop: the bottleneck queue overflows and drops",
                          v["drops_packets"] > 0 and v["trimmed_packets"] == 0,
                          {"drops": v["drops_packets"], "trimmed": v["trimmed_packets"]},
-                         "drops > 0, trimmed == 0", "packets"))
+                         "drops > 0, trimmed == 0", "packets", rests_on=(DROPS,)))
     if "trim" in m:
         v = m["trim"]
         out += [
             Claim("trim: the bottleneck trims instead of dropping",
                   v["trimmed_packets"] > 0 and v["drops_packets"] == 0,
                   {"trimmed": v["trimmed_packets"], "drops": v["drops_packets"]},
-                  "trimmed > 0, drops == 0", "packets"),
+                  "trimmed > 0, drops == 0", "packets", rests_on=(DROPS,)),
             # (a packet whose NACK is overtaken by the SACKs of reorder_packets later ones
             # is resent on that evidence instead: once either way)
             Claim("trim: every trimmed packet is NACKed and resent once, nothing else, "
@@ -223,17 +227,18 @@ def claims(params: Params, m: dict) -> list[Claim]:
                   and v["timeouts"] == 0,
                   {"trimmed": v["trimmed_packets"], "nacks": v["trim_nacks_sent"],
                    "resent": v["retransmitted_packets"], "timeouts": v["timeouts"]},
-                  "nacks == resent == trimmed, timeouts == 0", "packets"),
+                  "nacks == resent == trimmed, timeouts == 0", "packets", rests_on=(RESENDS,)),
             Claim(f"trim: a trimmed packet is resent within about a round trip (mean "
                   f"from sending to resending <= {ROUND_TRIPS:g} x the senders' mean "
                   f"smoothed round trip)",
                   0 < v["resend_delay_ms_mean"] <= ROUND_TRIPS * mean(v["srtt_ms"]),
                   {"resend_delay": v["resend_delay_ms_mean"], "srtt": round(mean(v["srtt_ms"]), 3)},
-                  f"resend_delay <= {ROUND_TRIPS:g} x srtt", "ms"),
+                  f"resend_delay <= {ROUND_TRIPS:g} x srtt", "ms", rests_on=(RESEND_DELAY,)),
         ]
     if "drop" in m and "trim" in m:
         d, t = m["drop"]["resend_delay_ms_mean"], m["trim"]["resend_delay_ms_mean"]
         out.append(Claim("trim: lost packets are resent sooner than where the queue drops "
                          "(mean from sending to resending)", 0 < t < d,
-                         {"trim": t, "drop": d}, "trim < drop", "ms"))
+                         {"trim": t, "drop": d}, "trim < drop", "ms",
+                         rests_on=(RESEND_DELAY,)))
     return out

@@ -60,7 +60,8 @@ CHAPTERS = (
             "switch with the incast; ECN slows only the flows that cause the congestion."),
     Chapter("ECMP collisions vs spraying", "ecmp-vs-spray", (),
             "RC pins each QP to one path (its UDP source port), so flows collide on some "
-            "spines while others idle; MRC sprays every packet and loads every spine evenly."),
+            "spines while others idle; MRC sprays every packet over every spine, and with "
+            "one entropy value per spine loads them evenly."),
     Chapter("Loss recovery: go-back-N vs selective repeat", "loss-recovery", (),
             "With random loss on one link, RC resends everything after a hole, MRC resends "
             "only what was lost."),
@@ -180,6 +181,19 @@ def _status(r: ChapterResult) -> str:
     return f"{held}/{len(r.claims)} claims hold"
 
 
+def told(r: ChapterResult) -> str:
+    """The chapter's story as this run bears it out: as written where every claim held;
+    where one failed (or nothing ran), said as what the chapter is meant to show, with
+    what this run did not show, so the prose never states what the run contradicts."""
+    if r.error:
+        return f"Meant to show: {r.chapter.story} This run could not show it (below)."
+    failed = [c["name"] for c in r.claims if not c["passed"]]
+    if not failed:
+        return r.chapter.story
+    return (f"Meant to show: {r.chapter.story} This run did not show all of it: "
+            f"{'; '.join(failed)} failed (below).")
+
+
 def write_index(out: Path, done: list[ChapterResult]) -> Path:
     total = sum(r.seconds for r in done)
     (out / "tour.json").write_text(json.dumps(
@@ -190,7 +204,7 @@ def write_index(out: Path, done: list[ChapterResult]) -> Path:
           f"{len(done)} chapters in {total / 60:.1f} min "
           f"({render_split(time_split(done))}). Each links its full report.", ""]
     for i, r in enumerate(done, 1):
-        md += [f"## {i}. {r.chapter.title}", "", r.chapter.story, "",
+        md += [f"## {i}. {r.chapter.title}", "", told(r), "",
                f"`fabriclab run {r.chapter.experiment}"
                + "".join(f" --set {s}" for s in r.chapter.settings) + "`: "
                + _status(r) + f" in {r.seconds:.0f} s; "
@@ -216,7 +230,7 @@ def _html(done: list[ChapterResult], total: float) -> str:
     for i, r in enumerate(done, 1):
         link = (f"<b class=fail>did not run: {esc(r.error)}</b>" if r.error else
                 f"<a href='{esc(r.workdir.name)}/report.html'>report</a>")
-        body.append(f"<h2>{i}. {esc(r.chapter.title)}</h2><p>{esc(r.chapter.story)}</p>"
+        body.append(f"<h2>{i}. {esc(r.chapter.title)}</h2><p>{esc(told(r))}</p>"
                     f"<p><code>fabriclab run {esc(r.chapter.experiment)}"
                     + "".join(f" --set {esc(s)}" for s in r.chapter.settings)
                     + f"</code> &middot; {esc(_status(r))} in {r.seconds:.0f} s &middot; "

@@ -77,13 +77,18 @@ def fabriclab(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(autouse=True)
 def no_lab_objects_left():
-    """Every test must leave no lab object behind (and starts from none)."""
+    """Every test must leave no lab object behind (and starts from none). The cleaning
+    holds the run lock, as `fabriclab clean` does: a lab run in progress on this machine
+    (a tour, a user's experiment) makes the test fail saying so, never loses its fabric."""
+    from lab.core.state import RunLock
     from lab.fabric import cleanup
-    cleanup.clean()   # what a crash outside the suite left
+    with RunLock("the test suite's cleanup"):
+        cleanup.clean()   # what a crash outside the suite left
     yield
     left = cleanup.leftovers()
     if any(left.values()):
-        cleanup.clean()
+        with RunLock("the test suite's cleanup"):
+            cleanup.clean()
         pytest.fail(f"the test left lab objects behind: {left}")
 
 

@@ -143,3 +143,25 @@ def test_the_cli_exits_1_on_a_violation_and_says_which(tmp_path):
     assert r.returncode == 0 and "0 violation(s)" in r.stdout, r.stdout + r.stderr
     r = fabriclab("inspect", str(tmp_path / "none.pcap"), timeout=60)
     assert r.returncode == 2 and "no capture" in r.stderr
+
+
+@pytest.mark.parametrize("port", ["fl-lf0-eth1", "fl-lf0-eth2"])
+def test_inspect_json_reads_a_run_s_capture_on_either_kind_of_port(tmp_path, port):
+    """`inspect --json` on a capture in a run's captures/, where it takes the run's
+    settings: at a host's port (the link's ends known: loss-recovery's, the incast's, a
+    GPU's) and between two switches (ecmp-vs-spray's uplinks, pfc-spreading's), with
+    every kind of frame the lab sends (`fabriclab samples`). A host's port once ended in
+    "Object of type set is not JSON serializable"."""
+    run = tmp_path / "run"
+    (run / "captures").mkdir(parents=True)
+    build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1).fabric.save(
+        run / "fabric.json")
+    (run / "metrics.json").write_text(json.dumps({"machine_factor": 1.0, "metrics": {}}))
+    pcap = run / "captures" / f"{port}.pcap"
+    r = fabriclab("samples", "--out", str(pcap), timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = fabriclab("inspect", "--json", str(pcap), timeout=120)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+    report = json.loads(r.stdout)
+    assert report["frames"] > 10 and report["flows"], report
+    assert (report["settings"]["near"] is not None) == (port == "fl-lf0-eth2"), report

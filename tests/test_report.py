@@ -2,6 +2,7 @@
 real browser at a laptop's width. Built from a fabricated incast run (no lab: pure,
 runs with --noconftest); the browser tests need Chromium (vagrant/provision.sh)."""
 import csv
+import html
 import json
 import shutil
 import struct
@@ -183,6 +184,20 @@ def test_ecn_that_only_reduces_the_losses_does_not_remove_them():
     assert ecn_claim(671, 0).passed
     assert not ecn_claim(671, 12).passed
     assert not ecn_claim(0, 0).passed
+
+
+def test_the_tour_tells_a_chapter_s_story_only_as_far_as_its_run_bore_it_out(tour_index):
+    """A chapter whose run failed a claim, or did not run, is not told as if it had
+    shown its point: its story reads as what it is meant to show, with what failed."""
+    for page in (tour_index, tour_index.with_suffix(".md")):
+        text = html.unescape(page.read_text())
+        incast, rack = tour.CHAPTERS[2].story, tour.CHAPTERS[7].story
+        assert f"Meant to show: {incast} This run did not show all of it: the " \
+               f"controller rerouted around the failed link failed" in text, text
+        assert f"Meant to show: {rack} This run could not show it" in text, text
+    passed = tour.ChapterResult(tour.CHAPTERS[0], Path("x"), 1.0,
+                                {"claims": [{"name": "a", "passed": True}]})
+    assert tour.told(passed) == tour.CHAPTERS[0].story
 
 
 def test_the_tour_index_shows_claims_as_text(tour_index):

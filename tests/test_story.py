@@ -191,7 +191,11 @@ def test_the_tour_runs_its_chapters_and_links_their_reports(tmp_path):
     assert "  time: fabric up " in r.stdout
     page = (out / "index.html").read_text()
     assert "01-allreduce/report.html" in page and (out / "01-allreduce" / "report.html").exists()
-    assert "0.75" in page                          # every host's result, in the claim
+    # every host's result, as measured: the claim's values and the page that shows them
+    # (the chapter's title says 0.75 whatever the run measured)
+    [agree] = [c for c in chapter["claims"] if "holds the mean" in c["name"]]
+    assert agree["measured"] == {f"g{i}": 0.75 for i in range(4)}, agree
+    assert "all 0.75 (g0, g1, g2, g3)" in page, page
     assert f"report: {out / 'index.html'}" in r.stdout
     bad = fabriclab("tour", "--only", "no-such-chapter", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 1 and "no tour chapter 'no-such-chapter'" in bad.stderr

@@ -170,6 +170,7 @@ def run(ctx: RunContext) -> dict:
                         ctx.params.rc_limit_ideals if name == "rc" else None)
             gpus.next_id = max(gpus.next_id, later)
             m["drops_packets"] = drops.count()
+            m["lost_inside_switches"] = drops.inside()
             log.info(f"  bytes per spine uplink: {m['bytes_per_spine_uplink']} "
                      f"(max/mean {m['imbalance_max_over_mean']:.2f}), slowest flow "
                      + (f"{m['completion_s_max']:.2f} s" if m["stopped_after_s"] is None else

@@ -204,12 +204,13 @@ def claims(params: Params, m: dict) -> list[Claim]:
         Claim("both runs deliver every byte intact (every GPU holds the mean)",
               rc["intact"] and mrc["intact"], {"rc": rc["intact"], "mrc": mrc["intact"]},
               "both True"),
-        Claim(f"RC keeps to plane {FAILED_PLANE}; MRC spreads over every plane (bytes "
-              f"through each plane's spines before the failure)",
-              share(rc, FAILED_PLANE) > 0.99 and all(abs(s - 1 / n) <= SPREAD_TOLERANCE
-                                                     for s in shares),
-              {"rc_plane0_share": round(share(rc, FAILED_PLANE), 3), "mrc_shares": shares},
-              f"rc > 0.99; mrc each 1/{n} +- {SPREAD_TOLERANCE}"),
+        # (RC's share of plane 0 is shown beside, not claimed: its QPs use plane 0's
+        # addresses, so it holds by construction)
+        Claim(f"MRC spreads over every plane (bytes through each plane's spines before the "
+              f"failure; RC's QPs, on plane {FAILED_PLANE}'s addresses, shown beside)",
+              all(abs(s - 1 / n) <= SPREAD_TOLERANCE for s in shares),
+              {"mrc_shares": shares, "rc_plane0_share": round(share(rc, FAILED_PLANE), 3)},
+              f"mrc each 1/{n} +- {SPREAD_TOLERANCE}"),
         Claim(f"MRC's stall is far shorter than RC's (< {STALL_RATIO:.0%})",
               mrc["stall_s"] < STALL_RATIO * rc["stall_s"], f"mrc {mrc['stall_s']} s",
               f"< {STALL_RATIO} x rc {rc['stall_s']} s", timing=True),

@@ -464,15 +464,26 @@ def claims(params: Params, m: dict) -> list[Claim]:
                          f"{a['idle_fraction_mean']:.0%})",
                          f"< across {b['step_s_mean']:.3f} s (GPU idle "
                          f"{b['idle_fraction_mean']:.0%})", timing=True))
-    if "checkpoint" in ran and "error" not in m["checkpoint"]["checkpoint"]:
-        with_ckpt = dp_seconds(m["checkpoint"], True)
+    if "checkpoint" in ran:
+        ckpt = m["checkpoint"]["checkpoint"]
+        want = len(ckpt["writers"]) * params.checkpoint_kb * 1024
+        written = "error" not in ckpt
+        out.append(Claim("checkpoint: every writer's shard reached storage whole and intact "
+                         "(CRC-32 end to end)",
+                         written and ckpt["intact"] is True and ckpt["bytes"] == want,
+                         {"bytes": ckpt.get("bytes"), "intact": ckpt.get("intact")}
+                         if written else f"the write failed: {ckpt['error']}",
+                         f"{want} bytes, intact", "bytes"))
+        with_ckpt = dp_seconds(m["checkpoint"], True) if written else []
         without = dp_seconds(m["checkpoint"], False) + \
             (dp_seconds(m["tp-in-rack"], False) if "tp-in-rack" in m else [])
         base = statistics.median(without) if without else float("nan")
-        out.append(Claim(f"a checkpoint written beside the DP all-reduce slows it (by "
+        # (a write that failed slowed nothing it can be credited with: the claim fails)
+        out.append(Claim(f"checkpoint: written beside the DP all-reduce, it slows it (by "
                          f"{CHECKPOINT_SLOWDOWN}x at least)",
                          bool(with_ckpt) and min(with_ckpt) >= CHECKPOINT_SLOWDOWN * base,
-                         f"{min(with_ckpt, default=float('nan')):.3f} s",
+                         f"{min(with_ckpt, default=float('nan')):.3f} s" if written
+                         else "no checkpoint was written",
                          f">= {CHECKPOINT_SLOWDOWN} x {base:.3f} s (the steps without)",
                          timing=True))
     return out

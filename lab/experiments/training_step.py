@@ -197,6 +197,7 @@ def train(ctx: RunContext, gpus: GpuAgents, transport: str, rng, params: dict | 
             "timeouts": sum(x["timeouts"] for x in steps),
             "naks": sum(x["naks"] for x in steps),
             "switch_drops": drops.count(),     # RoCE data frames, every switch queue
+            "lost_inside_switches": drops.inside(),   # ...and inside OVS (+-1 at the edges)
             "all_correct": all(x["correct"] for x in steps)}
 
 

@@ -497,11 +497,20 @@ def captures_html(caps: dict) -> str:
     return "".join(out)
 
 
+def machine_text(result: dict) -> str:
+    """The factor the run's defaults ran at on this machine (lab/fabric/calibrate.py)."""
+    f = result.get("machine_factor", 1.0)
+    return ("Ran at the defaults (machine factor x1.00)." if f >= 1 else
+            f"Ran at machine factor x{f:.2f}: the default link rates and sizes scaled to "
+            f"what this machine's GPU hosts keep up with (fabriclab calibrate).")
+
+
 def markdown(result: dict, plots: list[tuple[str, Path]]) -> str:
     verdict = "all claims hold" if result["passed"] else "A CLAIM FAILED"
     md = [f"# {result['experiment']}: {verdict}", "",
-          f"Rate scale: {result['rate_scale']['meaning']}. OVS datapath: "
-          f"{result.get('datapath')}. Total time {result['timings_s']['total_s']:.1f} s.", ""]
+          f"Rate scale: {result['rate_scale']['meaning']}. {machine_text(result)} "
+          f"OVS datapath: {result.get('datapath')}. Total time "
+          f"{result['timings_s']['total_s']:.1f} s.", ""]
     md += [f"> warning: {w}" for w in result.get("warnings", [])]
     for title, header, rows in tables(result):
         md += [f"## {title}", "", "| " + " | ".join(header) + " |",
@@ -522,7 +531,8 @@ def html_page(result: dict, plots: list[tuple[str, Path]]) -> str:
     esc = html.escape
     body = [f"<h1>{esc(result['experiment'])}: "
             f"{'all claims hold' if result['passed'] else 'A CLAIM FAILED'}</h1>",
-            f"<p>Rate scale: {esc(result['rate_scale']['meaning'])}. OVS datapath: "
+            f"<p>Rate scale: {esc(result['rate_scale']['meaning'])}. "
+            f"{esc(machine_text(result))} OVS datapath: "
             f"{esc(str(result.get('datapath')))}.</p>"]
     body += [f"<p class=warn>warning: {esc(w)}</p>" for w in result.get("warnings", [])]
     for title, header, rows in tables(result):

@@ -132,3 +132,30 @@ def test_calibrate_measures_and_the_runner_uses_it(tmp_path):
     assert config["topology"]["host_rate_mbps"] == 0.8 and config["rate_scale"]["factor"] == 125000
     assert config["params"]["flow_kb"] == 1200 and config["params"]["senders"] == 2
     assert "default link rates x0.08" in r.stdout
+
+
+def test_a_step_near_its_limit_is_measured_again_and_a_kept_rate_holds_its_verdict():
+    """The 8-pair sweep at 10 Mb/s read 80.2% busy against an 80% limit: one reading
+    decided, so a quiet machine ran its defaults at x1.0, x0.84, x1.0 in three
+    calibrations. Near the limit the step is read REPEATS times and the median
+    decides; a rate the machine's last calibration kept up with is allowed HYSTERESIS
+    over the limit; far from it, one reading does, and no hysteresis saves a rate the
+    machine clearly cannot carry."""
+    pairs = calibrate.BUSY_PAIRS
+
+    def machine(*busy):
+        readings = iter(busy)
+        return lambda: {"goodput_mbps": 9.0, "machine_busy": next(readings),
+                        "intact": True}
+    ok, r = calibrate.decide(10.0, machine(0.802, 0.79, 0.81), pairs)
+    assert r["readings"] == 3 and r["machine_busy"] == 0.802 and not ok
+    ok, r = calibrate.decide(10.0, machine(0.802, 0.79, 0.78), pairs)
+    assert r["readings"] == 3 and r["machine_busy"] == 0.79 and ok
+    ok, r = calibrate.decide(10.0, machine(0.802, 0.83, 0.81), pairs, kept_before_mbps=10.0)
+    assert ok and r["slack"] == calibrate.HYSTERESIS             # the last one kept 10
+    ok, r = calibrate.decide(10.0, machine(0.60), pairs)
+    assert ok and r["readings"] == 1
+    ok, r = calibrate.decide(20.0, machine(0.95), pairs, kept_before_mbps=20.0)
+    assert not ok and r["readings"] == 1                          # clearly over: no slack helps
+    ok, _ = calibrate.decide(20.0, machine(0.81, 0.82, 0.83), pairs, kept_before_mbps=10.0)
+    assert not ok                                   # above the kept rate: the plain limit

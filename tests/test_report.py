@@ -100,6 +100,9 @@ def test_measured_values_read_as_text(value, unit, text):
 def test_the_report_shows_claims_as_text_and_keeps_the_raw_values(incast_report):
     md = (incast_report / "report.md").read_text()
     page = (incast_report / "report.html").read_text()
+    for text in (md, page):       # the factor it ran at, whatever it was
+        assert "Ran at the defaults (machine factor x1.00)." in text, text[:400]
+    assert "machine factor x0.50" in report.machine_text({"machine_factor": 0.5})
     claims_md = md.split("## Claims")[1].split("## Parameters")[0]
     assert "{'" not in claims_md and "{&#x27;" not in page     # no Python reprs
     assert "drops 0, pause frames sent 4,518" in claims_md

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +57,15 @@ FLOW_SECONDS = 1.0
 SIZE_FACTOR_FLOOR = 0.25           # messages shrink no further: a few packets say little
 REFINE_STEPS = 2                   # between the sweep's last rate kept and first missed
 MIN_FACTOR = 0.05                  # a machine that keeps up with nothing tried: rates / 20
+# A step whose load (the sender's CPU share, or the machine's busy share) lands this near
+# its limit is measured REPEATS times and the median decides: one reading of the 8-pair
+# sweep at 10 Mb/s gave 80.2% against the 80% limit, and three calibrations in a row of
+# one quiet machine gave x1.0, x0.84, x1.0.
+NEAR_LIMIT = 0.05
+REPEATS = 3
+# A rate this machine's last calibration kept up with keeps that verdict until the load
+# passes the limit by this much: a machine at its limit does not flip from run to run.
+HYSTERESIS = 0.05
 
 
 @dataclass
@@ -144,15 +154,48 @@ def flow(net, transport: str, nbytes: int, pairs: int = 1) -> dict:
             "cpu_fraction": cpu_s / elapsed_s if elapsed_s else 1.0, "machine_busy": busy}
 
 
-def keeps_up(rate_mbps: float, r: dict) -> bool:
+def load_limit(pairs: int) -> tuple[str, float]:
+    """What a step's load is (its result's key) and its limit: the sender's CPU share for
+    one pair, the machine's busy share for BUSY_PAIRS."""
     from lab.fabric.gpus import CPU_BOUND_FRACTION
-    return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps
-            and r["cpu_fraction"] < CPU_BOUND_FRACTION and r["intact"] is not False)
+    return ("cpu_fraction", CPU_BOUND_FRACTION) if pairs == 1 else \
+        ("machine_busy", MACHINE_BUSY_LIMIT)
 
 
-def busy_keeps_up(rate_mbps: float, r: dict) -> bool:
-    return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps
-            and r["machine_busy"] < MACHINE_BUSY_LIMIT and r["intact"])
+def keeps_up(rate_mbps: float, r: dict, pairs: int = 1, slack: float = 0.0) -> bool:
+    """Its goodput at KEEPS_UP_FRACTION of the line at least, its load under the limit
+    (+ slack: HYSTERESIS), every flow intact."""
+    key, limit = load_limit(pairs)
+    return (r["goodput_mbps"] >= KEEPS_UP_FRACTION * rate_mbps and r[key] < limit + slack
+            and r["intact"] is not False)
+
+
+def median_result(results: list[dict]) -> dict:
+    """Several readings of one step as one: each number's median, intact only if every
+    reading was."""
+    out = dict(results[0])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in results)
+    out["intact"] = all(r["intact"] is not False for r in results)
+    return out
+
+
+def decide(rate_mbps: float, measure, pairs: int, kept_before_mbps: float = 0.0
+           ) -> tuple[bool, dict]:
+    """Whether the hosts keep up with `rate_mbps`, from `measure()` (one step's result):
+    read once, or REPEATS times where the load lands within NEAR_LIMIT of its limit (the
+    median decides); a rate no higher than what this machine's last calibration kept up
+    with (`kept_before_mbps`) is allowed HYSTERESIS over the limit. The result says how
+    many readings it took ("readings") and the slack it was allowed."""
+    key, limit = load_limit(pairs)
+    results = [measure()]
+    if abs(results[0][key] - limit) <= NEAR_LIMIT:
+        results += [measure() for _ in range(REPEATS - 1)]
+    r = median_result(results)
+    slack = HYSTERESIS if kept_before_mbps and rate_mbps <= kept_before_mbps else 0.0
+    return keeps_up(rate_mbps, r, pairs, slack), {**r, "readings": len(results),
+                                                  "slack": slack}
 
 
 def search(rates: tuple[float, ...], keeps_up_at) -> float:
@@ -214,6 +257,9 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
     a fabric's build took 12-15 s of a software CPU's 56 s calibration."""
     from lab.fabric.network import FabricNetwork
     sweeps: dict[int, list[dict]] = {1: [], BUSY_PAIRS: []}
+    before = load()         # this machine's last calibration: its verdicts hold (decide)
+    kept_before = {1: before.keep_up_mbps if before else 0.0,
+                   BUSY_PAIRS: before.busy_keep_up_mbps if before else 0.0}
 
     def nbytes(rate: float) -> int:
         # one MRC message, so no more packets than its header can count
@@ -232,16 +278,19 @@ def measure(rates: tuple[float, ...] = SWEEP_MBPS,
                 elif built["rate"] != rate:
                     retune(built["net"], rate / built["rate"])
                 built["rate"] = rate
-                r = flow(built["net"], "mrc", nbytes(rate), pairs)
-                ok = keeps_up(rate, r) if pairs == 1 else busy_keeps_up(rate, r)
+                ok, r = decide(rate, lambda: flow(built["net"], "mrc", nbytes(rate), pairs),
+                               pairs, kept_before[pairs])
                 sweeps[pairs].append({"rate_mbps": rate, **{
                     k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
                     "keeps_up": ok})
                 cpu = f"sender CPU {r['cpu_fraction']:.0%}" if pairs == 1 else \
                     f"machine {r['machine_busy']:.0%} busy"
+                how = "" if r["readings"] == 1 else f" (median of {r['readings']} runs)"
+                how += f" (the last calibration's rate: limit +{r['slack']:.0%})" \
+                    if r["slack"] else ""
                 log.info(f"{rate:6g} Mb/s x {pairs} flow{'s' if pairs > 1 else ''}: "
                          f"goodput {r['goodput_mbps']:.1f} Mb/s"
-                         f"{' (slowest)' if pairs > 1 else ''}, {cpu}: "
+                         f"{' (slowest)' if pairs > 1 else ''}, {cpu}{how}: "
                          f"{'keeps up' if ok else 'falls behind'}")
                 return ok
             return search(rates, keeps_up_at)

@@ -169,7 +169,8 @@ class Settings:
     cnp_interval_ms: float = DcqcnParams().cnp_interval_s * 1e3
     reaction_grace_ms: float = REACTION_GRACE_MS   # what a host may still send after a
     # pause or a SACK passed the capture (the lab's NICs react in software)
-    near: tuple | None = None            # the hosts on the captured link (None: unknown)
+    near: tuple[str, ...] | None = None  # the IPs of the host on the captured link (None:
+    # unknown); a tuple, not a set: the report carries the settings into --json's output
     # the paused end's MAC, per MAC that sends pauses (else: every other MAC is): a
     # switch may send its pauses from another MAC than the frames it forwards
     paused_macs: dict = field(default_factory=dict)
@@ -366,7 +367,7 @@ def settings_of_run(pcap: Path) -> Settings:
                        if (i.switch, i.port) == (switch, port))
             dpid = next(sw.dpid for sw in fabric.switches if sw.name == switch)
             s.paused_macs = {pause.port_mac(dpid, port): mac}
-            s.near = tuple(sorted(i.ip for i in hosts[peer].interfaces))   # (JSON's)
+            s.near = tuple(sorted(i.ip for i in hosts[peer].interfaces))   # JSON has no sets
         else:
             s.check_pauses = False        # two switches forward from the same MACs
     scales = [v["rc_params"]["rate_scale"] for v in metrics.get("metrics", {}).values()

@@ -27,6 +27,9 @@ def test_kv_cache_fails_where_the_training_it_shares_the_fabric_with_never_ran()
                    {"training_allreduces": 0, "training_correct": True}):
         claim = _named(kv_cache.claims(params, _kv(**broken)), "arrived intact")
         assert not claim.passed, broken
+    # and it says so: what it measured shows that no training all-reduce finished
+    none = _named(kv_cache.claims(params, _kv(training_allreduces=0)), "arrived intact")
+    assert none.measured["shared"]["training_allreduces"] == 0, none.measured
     # a variant without the training's fields at all is not taken as having held
     m = _kv()
     del m["shared"]["training_allreduces"], m["shared"]["training_correct"]
@@ -60,6 +63,21 @@ def test_training_job_fails_a_checkpoint_that_was_not_written_whole():
     integrity, slowdown = _named(failed, "shard reached storage"), _named(failed, "slows it")
     assert not integrity.passed and "the write failed" in integrity.measured
     assert not slowdown.passed and slowdown.measured == "no checkpoint was written"
+
+
+def test_the_checkpoint_counts_the_bytes_storage_received_not_the_sizes_asked():
+    """The claim above compares `bytes` with every shard's size: it must be what the
+    storage hosts' QPs placed (it was the sizes asked for, equal whatever arrived)."""
+    class Agents:          # the write's flows: one whole, one that stopped 1 KB short
+        def transfers(self, flows, *args, **kw):
+            return [{"bytes": n, "intact": cut == 0 or None,
+                     "receiver_counters": {"bytes_delivered": n - cut}}
+                    for (_, _, n), cut in zip(flows, (0, 1024))]
+    ckpt = object.__new__(training_job.Checkpoint)     # no agents: only its _write
+    ckpt.flows = [("g0", "g8", 4096), ("g2", "g9", 4096)]
+    ckpt.gpus, ckpt.rc, ckpt.timeout_s, ckpt.result, ckpt.error = Agents(), {}, 1.0, None, None
+    ckpt._write()
+    assert ckpt.error is None and ckpt.result["bytes"] == 2 * 4096 - 1024, ckpt.result
 
 
 # --- plane-failure: spraying over the planes is what is claimed -------------------------

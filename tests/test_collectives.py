@@ -8,7 +8,7 @@ import pytest
 import wire
 from conftest import fabriclab, requires_root
 from lab.experiments import ecmp_vs_spray
-from lab.fabric.capture import FRAME_BYTES_BOUND
+from lab.fabric.capture import FRAME_BYTES_BOUND, wait_listening
 from topologies.fabric import Fabric, interface_name
 
 pytestmark = requires_root
@@ -250,8 +250,8 @@ def test_captured_traffic_decodes_clean_in_tshark(tmp_path):
     topo = build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1)
     with FabricNetwork(topo, tmp_path / "run") as net:
         cap = subprocess.Popen(["tcpdump", "-i", "fl-lf0-eth1", "-w", str(pcap), "-U",
-                                "udp port 4791"], stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
+                                "udp port 4791"], stderr=subprocess.PIPE)
+        wait_listening({"fl-lf0-eth1": cap})
         with GpuAgents(net) as gpus:
             for transport in ("rc", "mrc"):
                 [flow] = gpus.transfers([("g0", "g1", 300_000)], transport)

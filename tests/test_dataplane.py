@@ -16,6 +16,7 @@ import pytest
 
 from conftest import requires_root
 from controllers.protocol import CongestionConfig
+from lab.fabric.capture import wait_listening
 from lab.kernel import bpf, dataplane, netns, queues, tcnl
 from traffic import pause
 from traffic.constants import (DSCP_PRIORITY, DSCP_ROCE_DATA, DSCP_TRIMMED, PRIORITY_CNP,
@@ -165,7 +166,8 @@ def _capture():
     proc = subprocess.Popen(["ip", "netns", "exec", NS_B, "tcpdump", "-i", INTF_B, "-w", pcap,
                              "-U", "udp or ether proto 0x8808"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(0.5)
+    # open before the frames: a fixed 0.5 s missed some under the lab VM's loaded suite
+    wait_listening({INTF_B: proc})
     return proc, pcap
 
 

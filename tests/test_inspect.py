@@ -5,14 +5,21 @@ import json
 import shutil
 
 import pytest
+from scapy.layers.inet import ICMP, IP
+from scapy.layers.l2 import Ether
 from scapy.utils import wrpcap
 
 from conftest import fabriclab
 from lab import inspect
+from lab.experiments.base import capture_plan, topology_defaults
+from lab.fabric.capture import resolve
+from lab.runner import load
+from lab.tour import CAPTURE_SNAPLEN
 from topologies.registry import build_topo
-from traffic.constants import PRIORITY_ROCE_DATA
-from traffic.packets import (Endpoints, ack, cnp, mrc_data, mrc_nack, mrc_sack, nak_seq_error,
-                             pfc_pause, pfc_resume, rc_write_packets, trimmed)
+from traffic.constants import PRIORITY_ROCE_DATA, Ecn
+from traffic.packets import (Endpoints, ack, cnp, mrc_credit_request, mrc_data, mrc_nack,
+                             mrc_probe, mrc_sack, nak_seq_error, pause_8023x, pfc_pause,
+                             pfc_resume, rc_write_packets, trimmed)
 
 pytestmark = pytest.mark.skipif(shutil.which("tshark") is None,
                                 reason="tshark is installed by make setup")
@@ -89,7 +96,7 @@ def test_mrc_resends_only_what_no_sack_acknowledged(tmp_path):
     # 2 ms after the SACK passed the capture (its way into the host, the host's reaction):
     # not yet a violation; nor from a sender the capture is not next to
     assert rules(report(broken, reaction_grace_ms=8.0)) == []
-    assert rules(report(broken, near={B.src_ip})) == []
+    assert rules(report(broken, near=(B.src_ip,))) == []
 
 
 def test_a_run_on_a_slower_machine_stretches_the_reaction_grace(tmp_path):
@@ -145,23 +152,120 @@ def test_the_cli_exits_1_on_a_violation_and_says_which(tmp_path):
     assert r.returncode == 2 and "no capture" in r.stderr
 
 
-@pytest.mark.parametrize("port", ["fl-lf0-eth1", "fl-lf0-eth2"])
-def test_inspect_json_reads_a_run_s_capture_on_either_kind_of_port(tmp_path, port):
-    """`inspect --json` on a capture in a run's captures/, where it takes the run's
-    settings: at a host's port (the link's ends known: loss-recovery's, the incast's, a
-    GPU's) and between two switches (ecmp-vs-spray's uplinks, pfc-spreading's), with
-    every kind of frame the lab sends (`fabriclab samples`). A host's port once ended in
+def ce_marked(frame):
+    """`frame` as a switch's ECN marking forwards it: CE, its IP checksum redone."""
+    marked = frame.copy()
+    marked[IP].tos |= Ecn.CE
+    del marked[IP].chksum
+    return Ether(bytes(marked))
+
+
+def headers_only(frame):
+    """`frame` as a capture at the tour's snaplen keeps it: its first CAPTURE_SNAPLEN
+    bytes, its length on the wire."""
+    cut = Ether(bytes(frame)[:CAPTURE_SNAPLEN])
+    cut.wirelen = len(frame)
+    return cut
+
+
+def rc_recovery():
+    """RC's go-back-N: PSN 3 lost, NAKed, sent again with what followed it."""
+    return [rc_write(1), rc_write(2), rc_write(4), nak_seq_error(3, 0, dst_qp=0x11, endpoints=B),
+            rc_write(3), rc_write(4), ack(4, 1, dst_qp=0x11, endpoints=B)]
+
+
+def mrc_recovery():
+    """MRC's selective repeat, sprayed: PSN 11 lost, SACKed around, sent again."""
+    return [mrc(10, 0xD001), mrc(11, 0xD002), mrc(12, 0xD003),
+            mrc_sack(11, dst_qp=0x11, ev=0xD003, credit_psn=100, received_psns=[12],
+                     endpoints=B), mrc(11, 0xD004)]
+
+
+def congestion():
+    """A congested port: CE marks, the CNP they bring back, PFC and 802.3x pauses, and
+    the credit requests of RCCC's variants."""
+    return [ce_marked(rc_write(1)), cnp(0x11, endpoints=B),
+            pfc_pause({PRIORITY_ROCE_DATA: 1000}, src_mac=SWITCH), rc_write(2),
+            pfc_resume([PRIORITY_ROCE_DATA], src_mac=SWITCH),
+            pause_8023x(256, src_mac=SWITCH), ack(2, 1, dst_qp=0x11, endpoints=B),
+            mrc_credit_request(20, dst_qp=0x22, ev=0xD001, backlog_bytes=8192, endpoints=A)]
+
+
+def trimming():
+    """A trimming switch: PSN 11 trimmed to its headers, NACKed, sent again."""
+    return [mrc(10, 0xD001), trimmed(mrc(11, 0xD002)), mrc(12, 0xD003),
+            mrc_nack(11, dst_qp=0x11, ev=0xD002, endpoints=B),
+            mrc_sack(11, dst_qp=0x11, ev=0xD003, credit_psn=100, received_psns=[12],
+                     endpoints=B), mrc(11, 0xD001)]
+
+
+def probes():
+    """An EV assumed bad, probed out of band, and the receiver's answer on it."""
+    return [mrc(10, 0xD001), mrc_probe(1, dst_qp=0x22, ev=0xD002, endpoints=A),
+            mrc_probe(1, dst_qp=0x11, ev=0xD002, reply=True, endpoints=B), mrc(11, 0xD002)]
+
+
+def pings():
+    """reachability's echo requests and replies: no RoCE at all."""
+    return [Ether(src=A.src_mac, dst=A.dst_mac) / IP(src=A.src_ip, dst=A.dst_ip) / ICMP(),
+            Ether(src=B.src_mac, dst=B.dst_mac) / IP(src=B.src_ip, dst=B.dst_ip)
+            / ICMP(type="echo-reply")]
+
+
+def every_kind_headers_only():
+    return [headers_only(f) for f in rc_recovery() + mrc_recovery() + congestion()
+            + trimming() + probes() + pings()]
+
+
+def strict_json(text: str):
+    """JSON as its standard has it: Python's json also reads and writes NaN and
+    Infinity, which no other parser does."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+# Each kind of experiment traffic, as a run's capture holds it: (the experiment whose
+# fabric and captured port it takes, its frames). The others send the same kinds:
+# allreduce, training-step and kv-cache RC's and MRC's as loss-recovery; pfc-spreading
+# an incast's; link-failure plane-failure's probes; training-job rack-vs-scaleout's;
+# softroce RC's (rxe's own capture). The tour keeps every frame's headers only.
+TRAFFIC = [
+    pytest.param("loss-recovery", lambda: rc_recovery() + mrc_recovery(), id="loss-recovery"),
+    pytest.param("incast", congestion, id="incast"),
+    pytest.param("trimming", trimming, id="trimming"),
+    pytest.param("ecmp-vs-spray", lambda: rc_recovery() + mrc_recovery(), id="ecmp-vs-spray"),
+    pytest.param("plane-failure", probes, id="plane-failure"),
+    pytest.param("rack-vs-scaleout", rc_recovery, id="rack-vs-scaleout"),
+    pytest.param("reachability", pings, id="reachability"),
+    pytest.param("loss-recovery", every_kind_headers_only, id="tour"),
+]
+
+
+@pytest.mark.parametrize("experiment, frames", TRAFFIC)
+def test_inspect_json_is_json_on_every_kind_of_experiment_traffic(tmp_path, experiment,
+                                                                  frames):
+    """`inspect --json` on a capture in a run's captures/, at the port its experiment
+    captures (a GPU's for those that name none, as `--capture g0`), where it takes the
+    run's settings: a host's port knows the link's ends (one IP per plane the host is
+    on), a switch's uplink (ecmp-vs-spray's) does not. A host's port once ended in
     "Object of type set is not JSON serializable"."""
+    mod = load(experiment)
+    topology = mod.Params().topology
+    fabric = build_topo(topology, **topology_defaults(mod, topology)).fabric
+    plan = capture_plan(mod, fabric, mod.Params())
+    spec = plan.ports[0] if plan.ports else fabric.hosts[0].name
+    [port] = resolve(fabric, spec)
     run = tmp_path / "run"
     (run / "captures").mkdir(parents=True)
-    build_topo("leaf-spine", spines=1, leaves=2, hosts_per_leaf=1).fabric.save(
-        run / "fabric.json")
+    fabric.save(run / "fabric.json")
     (run / "metrics.json").write_text(json.dumps({"machine_factor": 1.0, "metrics": {}}))
-    pcap = run / "captures" / f"{port}.pcap"
-    r = fabriclab("samples", "--out", str(pcap), timeout=120)
-    assert r.returncode == 0, r.stderr
+    timed = [(i * 1e-3, f) for i, f in enumerate(frames())]
+    pcap = capture(run / "captures", timed).rename(run / "captures" / f"{port}.pcap")
     r = fabriclab("inspect", "--json", str(pcap), timeout=120)
     assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
-    report = json.loads(r.stdout)
-    assert report["frames"] > 10 and report["flows"], report
-    assert (report["settings"]["near"] is not None) == (port == "fl-lf0-eth2"), report
+    report = strict_json(r.stdout)
+    assert report["frames"] == len(timed), report
+    hosts = {h.name: h for h in fabric.hosts}
+    near = sorted(i.ip for i in hosts[spec].interfaces) if spec in hosts else None
+    assert report["settings"]["near"] == near, report

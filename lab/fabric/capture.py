@@ -8,7 +8,9 @@ CNPs, and its own PFC frames.
 """
 from __future__ import annotations
 
+import os
 import re
+import select
 import subprocess
 import tempfile
 import time
@@ -23,7 +25,7 @@ from traffic.constants import DSCP_TRIMMED, LAST_DATA_OPCODE, Opcode
 
 FRAME_BYTES_BOUND = 1100        # RoCE frames at the default MTU, for the size cap
 PCAP_RECORD_BYTES = 16          # a pcap record's header
-START_WAIT_S = 0.3
+START_TIMEOUT_S = 30.0          # for tcpdump to open its capture (a software CPU, loaded)
 # libpcap hands tcpdump a ring block when it is full or its timeout (tcpdump's 1000 ms)
 # runs out: the last frames of a run can wait that long unseen, and tcpdump stopped
 # before then loses them without counting them (measured: the last 80 ms of a run's
@@ -74,6 +76,30 @@ def resolve(fabric: Fabric, spec: str, what: str = "--capture") -> list[str]:
                      f"switch (fl-lf0: all its ports)")
 
 
+def wait_listening(procs: dict[str, subprocess.Popen],
+                   timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until every tcpdump has said "listening on" (its stderr, once its capture is open:
+    what arrives after that is recorded). A fixed wait (0.3 s here, 0.5 s in a test)
+    missed a run's first frames where the machine was loaded: the lab VM's suite counted
+    fewer frames on the wire than the data path had sent."""
+    said = {intf: b"" for intf in procs}
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(procs)
+    while waiting:
+        for intf, proc in list(waiting.items()):
+            ready, _, _ = select.select([proc.stderr], [], [], 0.02)
+            chunk = os.read(proc.stderr.fileno(), 4096) if ready else b""
+            said[intf] += chunk
+            if b"listening on" in said[intf]:
+                del waiting[intf]
+            elif (ready and not chunk) or proc.poll() is not None:
+                raise LabError(f"tcpdump on {intf} failed: "
+                               f"{said[intf].decode(errors='replace').strip()[-200:]}")
+        if waiting and time.monotonic() > deadline:
+            raise LabError(f"tcpdump did not open its capture on {', '.join(waiting)} "
+                           f"within {timeout_s:g} s")
+
+
 class Captures:
     """tcpdump per port; stopped (and its pcap flushed) on exit."""
 
@@ -104,11 +130,7 @@ class Captures:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             state.record_process(proc.pid, f"-w {self.path(intf)}", "capture")
             self.procs[intf] = proc
-        time.sleep(START_WAIT_S)   # tcpdump attaches before the traffic starts
-        for intf, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise LabError(f"tcpdump on {intf} failed: "
-                               f"{proc.stderr.read().decode().strip()[-200:]}")
+        wait_listening(self.procs)      # every capture open before the traffic starts
         return self
 
     def __exit__(self, *exc) -> None:

@@ -97,3 +97,101 @@ def test_plane_failure_fails_where_mrc_keeps_to_one_plane():
     one = _named(plane_failure.claims(params, _planes({"0": 1000, "1": 0})),
                  "spreads over every plane")
     assert not one.passed
+
+
+# --- incast: each congestion mechanism switched off fails its claims --------------------
+def _incast(**variants) -> dict:
+    ok = {"all_intact": True, "drops_packets": 0, "pause_frames_sent": 0,
+          "ce_marked_packets": 0, "cnp_packets": 0, "max_deviation_from_fair": 0.05,
+          "backlog_bytes_p50": 6000}
+    return {v: {**ok, **x} for v, x in variants.items()}
+
+
+def test_incast_claims_fail_where_the_mechanism_they_are_about_is_broken():
+    from lab.experiments import incast
+    params = incast.Params(variants="none,ecn,pfc")
+    working = _incast(none={"drops_packets": 20000},
+                      ecn={"ce_marked_packets": 4600, "cnp_packets": 4400},
+                      pfc={"pause_frames_sent": 8800})
+    assert all(c.passed for c in incast.claims(params, working))
+    broken = {
+        # no queue limit: the port never overflows
+        "none: the bottleneck queue overflows": {"none": {"drops_packets": 0}},
+        # ECN off: nothing marked, no CNPs
+        "ecn: the switch marks CE": {"ecn": {"ce_marked_packets": 0, "cnp_packets": 0}},
+        # DCQCN not reacting: one sender takes the port
+        "ecn: every sender within": {"ecn": {"max_deviation_from_fair": 0.9}},
+        # marking far too late: the queue stands past Kmax
+        "ecn: bottleneck backlog p50": {"ecn": {"backlog_bytes_p50": 60000}},
+        # XOFF thresholds past the buffer: drops, no pauses
+        "pfc: no drops at the bottleneck": {"pfc": {"drops_packets": 300}},
+        "pfc: the bottleneck's switch sent pause frames": {"pfc": {"pause_frames_sent": 0}},
+    }
+    for name, change in broken.items():
+        m = {v: {**x, **change.get(v, {})} for v, x in working.items()}
+        claim = _named(incast.claims(params, m), name)
+        assert not claim.passed, name
+
+
+# --- loss-recovery: a selective repeat that goes back N, a go-back-N that does not -------
+def test_loss_recovery_claims_fail_where_the_recovery_is_not_the_one_claimed():
+    from lab.experiments import loss_recovery
+    params = loss_recovery.Params()
+
+    def run(rc_resent: int, mrc_resent: int, lost: int = 20) -> dict:
+        return {t: {"lost_packets": lost, "retransmitted_packets": n, "intact": True}
+                for t, n in (("rc", rc_resent), ("mrc", mrc_resent))}
+    assert all(c.passed for c in loss_recovery.claims(params, run(140, 20)))
+    assert not _named(loss_recovery.claims(params, run(140, 140)), "mrc: resends").passed
+    assert not _named(loss_recovery.claims(params, run(20, 20)), "rc: go-back-N").passed
+    assert not _named(loss_recovery.claims(params, run(140, 0, lost=0)),
+                      "the link really lost").passed
+
+
+# --- pfc-spreading: pauses that stay at one switch, a victim ECN fails to spare ----------
+def test_pfc_spreading_claims_fail_where_pauses_do_not_spread_or_ecn_does_not_help():
+    from lab.experiments import pfc_spreading
+    params = pfc_spreading.Params()
+
+    def run(spread: dict, pfc_ratio: float, ecn_ratio: float) -> dict:
+        m = {v: {"all_intact": True} for v in pfc_spreading.VARIANTS}
+        m["pfc"]["pause_frames_sent_by_switch"] = spread
+        m["victim_rate_vs_alone"] = {"pfc": pfc_ratio, "ecn": ecn_ratio}
+        return m
+    both = {"fl-lf1": 900, "fl-sp0": 400}
+    assert all(c.passed for c in pfc_spreading.claims(params, run(both, 0.35, 0.99)))
+    # pauses honoured only where they are sent (the spine never pauses its feeders)
+    assert not _named(pfc_spreading.claims(params, run({"fl-lf1": 900}, 0.35, 0.99)),
+                      "pause spreads").passed
+    # no head-of-line blocking: the victim keeps its rate under PFC
+    assert not _named(pfc_spreading.claims(params, run(both, 0.95, 0.99)),
+                      "the victim loses").passed
+    # ECN that does not slow the incast's senders: the victim is blocked as under PFC
+    assert not _named(pfc_spreading.claims(params, run(both, 0.35, 0.4)),
+                      "the victim keeps").passed
+
+
+# --- ecmp-vs-spray: spraying switched off (one EV per flow) fails the spray claims -------
+def test_ecmp_vs_spray_claims_fail_where_mrc_does_not_spray():
+    from lab.experiments import ecmp_vs_spray
+    params = ecmp_vs_spray.Params()
+
+    def variant(per_spine: list[int], slowest_s: float) -> dict:
+        mean = sum(per_spine) / len(per_spine)
+        return {"all_intact": True, "bytes_per_spine_uplink": per_spine,
+                "imbalance_max_over_mean": max(per_spine) / mean,
+                "max_deviation_from_mean": max(abs(b - mean) for b in per_spine) / mean,
+                "completion_s_max": slowest_s, "stopped_after_s": None, "drops_packets": 0}
+    pinned = variant([4, 2, 2, 0], 3.6)          # RC: two flows' worth collide on spine 0
+    m = {"rc": pinned, "rc+pfc": pinned, "mrc_hash": variant([2, 2, 2, 2], 2.1),
+         "mrc_explicit": variant([2, 2, 2, 2], 2.0)}
+    assert all(c.passed for c in ecmp_vs_spray.claims(params, m))
+    unsprayed = {**m, "mrc_explicit": variant([4, 2, 2, 0], 3.6)}
+    claims = ecmp_vs_spray.claims(params, unsprayed)
+    assert not _named(claims, "keeps every spine uplink within").passed
+    assert not _named(claims, "spraying finishes the slowest flow sooner").passed
+    assert not _named(claims, "rc+pfc: no drops").passed
+    # RC spread by a hash that happened to balance: no collision to claim (the case the
+    # lab VM's kernel datapath drew, issue 42 item 4: still to be made impossible)
+    balanced = {**m, "rc": variant([2, 2, 2, 2], 2.0)}
+    assert not _named(ecmp_vs_spray.claims(params, balanced), "collide").passed

@@ -195,3 +195,26 @@ def test_ecmp_vs_spray_claims_fail_where_mrc_does_not_spray():
     # lab VM's kernel datapath drew, issue 42 item 4: still to be made impossible)
     balanced = {**m, "rc": variant([2, 2, 2, 2], 2.0)}
     assert not _named(ecmp_vs_spray.claims(params, balanced), "collide").passed
+
+
+# --- link-failure: a dead link not rerouted, a gray failure the routing reacted to -------
+def test_link_failure_claims_fail_where_the_routing_does_what_they_say_it_does_not():
+    from lab.experiments import link_failure
+
+    def run(**x) -> dict:
+        base = {"intact": True, "stall_s": 0.1, "rerouted_after_s": 0.3,
+                "link_down_events": 0, "completion_s": 2.0, "retransmitted_packets": 10}
+        return {"rc": {**base, "stall_s": 1.0, "completion_s": 5.0,
+                       "retransmitted_packets": 100, **x}, "mrc": {**base, **x}}
+    down = link_failure.Params(failure="down", ev_policy="watch")
+    assert all(c.passed for c in link_failure.claims(down, run()))
+    # the controller never rerouted around the dead link
+    assert not _named(link_failure.claims(down, run(rerouted_after_s=None)),
+                      "rerouted around").passed
+    # a gray failure the routing saw (the impairment took the link down, or the
+    # controller rerouted on loss): not gray
+    gray = link_failure.Params(failure="degrade", ev_policy="watch")
+    assert _named(link_failure.claims(gray, run(rerouted_after_s=None)), "saw nothing").passed
+    for seen in ({"link_down_events": 1, "rerouted_after_s": None},
+                 {"rerouted_after_s": 0.4}):
+        assert not _named(link_failure.claims(gray, run(**seen)), "saw nothing").passed, seen

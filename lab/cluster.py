@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import os
@@ -125,10 +126,16 @@ class Worker:
     def handle(self, msg: dict | None) -> None:
         while msg is not None:
             op = msg.pop("op", None)
+            handler = getattr(self, f"op_{op}", None)
             try:
-                reply = getattr(self, f"op_{op}")(**msg) if hasattr(self, f"op_{op}") \
-                    else {"ok": False, "error": f"unknown request {op!r}"}
-            except (LabError, TypeError) as e:     # TypeError: a request's fields wrong
+                if handler is None:
+                    raise LabError(f"unknown request {op!r}")
+                try:            # the request's fields checked before anything runs
+                    inspect.signature(handler).bind(**msg)
+                except TypeError as e:
+                    raise LabError(f"request {op!r}: {e}") from None
+                reply = handler(**msg)
+            except LabError as e:
                 reply = {"ok": False, "error": str(e)}
             self.channel.send(**reply)
             if op == "stop":

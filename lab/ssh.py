@@ -223,7 +223,11 @@ class WorkerConnection:
             self.errors = threading.Thread(target=self._log_errors, daemon=True)
             self.errors.start()
             self.channel = Channel(self.proc.stdout, self.proc.stdin, self.peer)
-            hello = self.channel.receive(HELLO_TIMEOUT_S)
+            try:
+                hello = self.channel.receive(HELLO_TIMEOUT_S)
+            except LabError:
+                self._end_process()     # (started here: stopped here, by its PID)
+                raise
             if hello is not None and hello.get("worker"):
                 return
             self._end_process()
